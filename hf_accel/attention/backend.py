@@ -1,0 +1,92 @@
+"""The attention backend interface: what each backend declares and the two calls the engine makes.
+
+Split the vLLM way: `prepare()` runs once per step on the metadata (the "metadata builder"), `forward()` runs once
+per layer inside the opaque attention op (the "implementation"). Every backend reads and writes the same paged KV
+layout (see metadata.py), so the engine's block size is the only thing that follows the backend.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from hf_accel.attention.metadata import StepMetadata
+
+
+class CUDAGraphSupport(enum.IntEnum):
+    """How much of a CUDA graph a backend can live inside."""
+
+    NEVER = 0  # attention must run eagerly (piecewise graphs only)
+    UNIFORM_DECODE = 1  # full graphs for decode-only batches
+    ALWAYS = 2  # full graphs for any batch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The attention shape of one model, as the backends need it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    uses_softcap: bool = False
+    uses_sliding_window: bool = False
+
+
+class AttentionBackend:
+    name: ClassVar[str] = "base"
+    supported_block_sizes: ClassVar[tuple[int, ...]] = (16,)  # first entry is the preferred one
+    supported_head_dims: ClassVar[tuple[int, ...] | None] = None  # None: any
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
+    supports_softcap: ClassVar[bool] = True
+    supports_sliding_window: ClassVar[bool] = True
+    requires_cuda: ClassVar[bool] = False
+    cudagraph_support: ClassVar[CUDAGraphSupport] = CUDAGraphSupport.NEVER
+
+    @classmethod
+    def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
+        """Why this backend cannot run this model here; empty when it can. Never raises."""
+        reasons = []
+        if cls.requires_cuda and device.type != "cuda":
+            reasons.append(f"{cls.name} needs a CUDA GPU (device is {device.type})")
+        if spec is not None:
+            if cls.supported_head_dims is not None and spec.head_dim not in cls.supported_head_dims:
+                reasons.append(f"head_dim {spec.head_dim} not in supported {cls.supported_head_dims}")
+            if spec.dtype not in cls.supported_dtypes:
+                reasons.append(f"dtype {spec.dtype} not supported (supports {cls.supported_dtypes})")
+            if spec.uses_softcap and not cls.supports_softcap:
+                reasons.append("model uses attention logit softcapping, which this backend does not support")
+            if spec.uses_sliding_window and not cls.supports_sliding_window:
+                reasons.append("model uses sliding-window attention, which this backend does not support")
+        return reasons
+
+    def __init__(self, spec: AttentionSpec, device: torch.device, block_size: int, max_num_seqs: int,
+                 max_num_tokens: int, max_blocks_per_seq: int) -> None:
+        self.spec = spec
+        self.device = device
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.max_blocks_per_seq = max_blocks_per_seq
+
+    def prepare(self, meta: StepMetadata) -> None:
+        """Once per step, before the forward (and outside any CUDA graph capture): build backend state."""
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: StepMetadata) -> None:
+        """Write this step's K/V rows `[T, Hkv, D]` into the paged cache at `meta.slot_mapping` (skipping -1)."""
+        n = key.shape[0]
+        slots = meta.slot_mapping[:n].clamp(min=0)  # -1 (padding) lands in the null block 0, which nobody reads
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
+                output: torch.Tensor, scale: float, sliding_window: int, softcap: float) -> None:
+        """Attention for query `[T, H, D]` into the preallocated `output` `[T, H, D]`.
+
+        `sliding_window <= 0` means no window; `softcap <= 0` means no softcapping.
+        """
+        raise NotImplementedError

@@ -1,0 +1,71 @@
+"""Backend registry: name -> backend class, availability reasons, and the "auto" choice.
+
+Backend modules are imported lazily: an optional library that is missing makes its backend unavailable with a
+reason, never an ImportError for the whole package.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from hf_accel.attention.backend import AttentionBackend, AttentionSpec
+
+# name -> (module, class name)
+BACKEND_MODULES: dict[str, tuple[str, str]] = {
+    "torch": ("hf_accel.attention.torch_backend", "TorchAttentionBackend"),
+    "triton": ("hf_accel.attention.triton_backend", "TritonAttentionBackend"),
+    "flashinfer": ("hf_accel.attention.flashinfer_backend", "FlashInferBackend"),
+    "flash_attn": ("hf_accel.attention.flash_attn_backend", "FlashAttnBackend"),
+}
+BACKEND_NAMES = tuple(BACKEND_MODULES)
+
+# "auto" preference on CUDA, fastest first (see select_backend); on CPU only "torch" can run.
+AUTO_PREFERENCE_CUDA = ("flashinfer", "flash_attn", "triton", "torch")
+
+
+def load_backend_class(name: str) -> tuple[type[AttentionBackend] | None, str | None]:
+    """The backend class, or None and why it could not be imported."""
+    if name not in BACKEND_MODULES:
+        raise ValueError(f"unknown attention_backend {name!r}; choose one of {('auto',) + BACKEND_NAMES}")
+    module_name, class_name = BACKEND_MODULES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        return None, f"cannot import {module_name}: {exc}"
+    return getattr(module, class_name), None
+
+
+def backend_reasons(name: str, spec: AttentionSpec | None, device: torch.device) -> list[str]:
+    cls, err = load_backend_class(name)
+    if cls is None:
+        return [err or f"{name} unavailable"]
+    return cls.unavailable_reasons(spec, device)
+
+
+def available_backends_for(spec: AttentionSpec | None, device: torch.device) -> dict[str, str | None]:
+    """Every backend, with None if it can run here or the reasons it cannot (joined by '; ')."""
+    result = {}
+    for name in BACKEND_NAMES:
+        reasons = backend_reasons(name, spec, device)
+        result[name] = "; ".join(reasons) if reasons else None
+    return result
+
+
+def select_backend(name: str, spec: AttentionSpec, device: torch.device) -> type[AttentionBackend]:
+    """Resolve `attention_backend` to a class. A named backend that cannot run raises with its reasons."""
+    if name == "auto":
+        order = AUTO_PREFERENCE_CUDA if device.type == "cuda" else ("torch",)
+        for candidate in order:
+            if not backend_reasons(candidate, spec, device):
+                cls, _ = load_backend_class(candidate)
+                assert cls is not None
+                return cls
+        raise RuntimeError(f"no attention backend can run this model here: {available_backends_for(spec, device)}")
+    reasons = backend_reasons(name, spec, device)
+    if reasons:
+        raise ValueError(f"attention_backend={name!r} cannot run here: " + "; ".join(reasons))
+    cls, _ = load_backend_class(name)
+    assert cls is not None
+    return cls

@@ -1,0 +1,103 @@
+"""AccelConfig: every knob of accelerate_model() in one validated object, plus device-dependent defaults."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+
+class CUDAGraphMode(str, enum.Enum):
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+    FULL_DECODE_ONLY = "full_decode_only"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+    @property
+    def has_full(self) -> bool:
+        return self in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_piecewise(self) -> bool:
+        return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer", "flash_attn")
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM-like: 1, 2, 4, then multiples of 8 up to 2 * max_num_seqs, capped at 512."""
+    top = min(2 * max_num_seqs, 512)
+    sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
+    return sizes
+
+
+@dataclass
+class AccelConfig:
+    attention_backend: str = "auto"
+    cudagraph_mode: str | CUDAGraphMode | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    compile: bool | None = None
+    enforce_eager: bool = False
+    block_size: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    compile_cache_dir: str | None = None  # None: ~/.cache/hf_accel; "" disables the on-disk compile cache
+    extra: dict = field(default_factory=dict)
+
+    def updated(self, **overrides) -> AccelConfig:
+        known = {f.name for f in fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown accelerate_model option(s): {sorted(unknown)}")
+        return replace(self, **overrides)
+
+    def validate(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
+        if self.cudagraph_mode is not None:
+            try:
+                self.cudagraph_mode = CUDAGraphMode(self.cudagraph_mode)
+            except ValueError:
+                raise ValueError(
+                    f"unknown cudagraph_mode {self.cudagraph_mode!r}; choose one of {[m.value for m in CUDAGraphMode]}"
+                ) from None
+        if self.block_size is not None and (self.block_size <= 0 or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.cudagraph_capture_sizes is not None:
+            sizes = self.cudagraph_capture_sizes
+            if not sizes or any(int(s) < 1 for s in sizes):
+                raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {sizes}")
+            self.cudagraph_capture_sizes = sorted({int(s) for s in sizes})
+
+    def resolve_for(self, device: torch.device) -> AccelConfig:
+        """Fill device-dependent defaults (compile and graphs on for CUDA, off for CPU; enforce_eager wins)."""
+        cfg = replace(self)
+        cfg.validate()
+        on_cuda = device.type == "cuda"
+        if cfg.enforce_eager:
+            cfg.compile = False
+            cfg.cudagraph_mode = CUDAGraphMode.NONE
+        else:
+            if cfg.compile is None:
+                cfg.compile = on_cuda
+            if cfg.cudagraph_mode is None:
+                cfg.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE if on_cuda else CUDAGraphMode.NONE
+            if not on_cuda and cfg.cudagraph_mode != CUDAGraphMode.NONE:
+                cfg.cudagraph_mode = CUDAGraphMode.NONE  # CUDA graphs need CUDA; the engine logs this downgrade
+        if cfg.cudagraph_capture_sizes is None:
+            cfg.cudagraph_capture_sizes = default_capture_sizes(cfg.max_num_seqs)
+        return cfg
