@@ -1,0 +1,228 @@
+"""The public API: accelerate_model, restore, available_backends (and engine_info for tools)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+import types
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+from hf_accel.attention.backend import AttentionSpec
+from hf_accel.attention.op import ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward
+from hf_accel.attention.registry import available_backends_for, select_backend
+from hf_accel.config import AccelConfig
+from hf_accel.engine.engine import LLMEngine, ModelShape
+from hf_accel.generation import EngineGenerator, stock_reason
+from hf_accel.patches import family_patch
+
+logger = logging.getLogger("hf_accel")
+_STATE = "_hf_accel_state"
+
+
+@dataclass
+class AccelState:
+    config: AccelConfig
+    engine: LLMEngine
+    generator: EngineGenerator
+    original_attn_implementation: str
+    backend_name: str
+    startup: dict[str, float] = field(default_factory=dict)
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _attention_spec(model: torch.nn.Module) -> AttentionSpec:
+    shape = ModelShape.from_config(model.config)
+    text = model.config.get_text_config()
+    dtype = next(model.parameters()).dtype
+    return AttentionSpec(
+        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=dtype,
+        uses_softcap=bool(getattr(text, "attn_logit_softcapping", None)),
+        uses_sliding_window=bool(getattr(text, "sliding_window", None))
+        and getattr(text, "use_sliding_window", True) is not False,
+    )
+
+
+def _check_supported(model: torch.nn.Module) -> None:
+    if not hasattr(model, "generate") or not hasattr(model, "config"):
+        raise TypeError(f"accelerate_model expects a transformers causal LM, got {type(model).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"{type(model).__name__} is an encoder-decoder model; hf_accel accelerates "
+                                  "decoder-only causal LMs")
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if not getattr(model, "_supports_attention_backend", False) or (callable(can_set) and not can_set()):
+        raise NotImplementedError(
+            f"{type(model).__name__} does not use transformers' AttentionInterface, so hf_accel cannot plug its "
+            "paged attention in; use the model without accelerate_model()")
+    reason = family_patch(model.config.model_type).unsupported_reason(model.config)
+    if reason:
+        raise NotImplementedError(f"{type(model).__name__}: {reason}")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("the model has parameters on the meta device (offloaded); load it fully on one device")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"the model is spread over several devices {sorted(map(str, devices))}; hf_accel runs "
+                         "a model on one device")
+
+
+def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: str | None = None,
+                     cudagraph_capture_sizes: list[int] | None = None, compile: bool | None = None,
+                     enforce_eager: bool = False, block_size: int | None = None, num_kv_blocks: int | None = None,
+                     gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
+                     max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
+                     config: AccelConfig | None = None):
+    """Patch `model` in place so generate(), generate_batch() and pipelines run on the hf_accel engine.
+
+    Keyword arguments override the fields of `config`. Returns the same model object; `restore(model)` undoes it.
+    Calling it again on an accelerated model first restores it, then applies the new options.
+    """
+    t0 = time.perf_counter()
+    _check_supported(model)
+    if hasattr(model, _STATE):
+        restore(model)
+    # keyword arguments the caller actually passed win over `config`
+    sig = inspect.signature(accelerate_model)
+    passed = {k: v for k, v in locals().items() if k in sig.parameters and k not in ("model", "config", "t0", "sig")
+              and v != sig.parameters[k].default}
+    cfg = (config or AccelConfig()).updated(**passed)
+    device = _model_device(model)
+    cfg = cfg.resolve_for(device)
+    spec = _attention_spec(model)
+    backend_cls = select_backend(cfg.attention_backend, spec, device)
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
+    original = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION_NAME)
+    try:
+        patch_s = time.perf_counter() - t0
+        engine = LLMEngine(model, cfg, backend_cls, spec)
+    except BaseException:
+        model.set_attn_implementation(original)
+        raise
+    state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
+                       original_attn_implementation=original, backend_name=backend_cls.name)
+    state.startup = {"patch_s": patch_s, "kv_cache_s": engine.stats.timings.get("kv_cache_s", 0.0),
+                     "compile_s": 0.0, "capture_s": 0.0}
+    setattr(model, _STATE, state)
+    model.generate = types.MethodType(_accelerated_generate, model)
+    model.generate_batch = types.MethodType(_accelerated_generate_batch, model)
+    state.startup["total_s"] = time.perf_counter() - t0
+    logger.info("hf_accel: accelerated %s with the %s backend in %.1f s", type(model).__name__, backend_cls.name,
+                state.startup["total_s"])
+    return model
+
+
+def restore(model):
+    """Undo accelerate_model(): stock generate, the original attention implementation, the engine freed."""
+    state: AccelState | None = getattr(model, _STATE, None)
+    if state is None:
+        return model
+    for name in ("generate", "generate_batch"):
+        if name in model.__dict__:
+            del model.__dict__[name]
+    model.set_attn_implementation(state.original_attn_implementation)
+    delattr(model, _STATE)
+    state.engine.kv_caches.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return model
+
+
+def available_backends(model=None) -> dict[str, str | None]:
+    """Every attention backend with None if it can run here (for `model`, if given) or the reasons it cannot."""
+    if model is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return available_backends_for(None, device)
+    return available_backends_for(_attention_spec(model), _model_device(model))
+
+
+def engine_info(model) -> dict[str, Any]:
+    """What accelerate_model set up: backend, graph mode, cache sizes and startup timings."""
+    state: AccelState | None = getattr(model, _STATE, None)
+    if state is None:
+        raise ValueError("model is not accelerated (call accelerate_model first)")
+    eng = state.engine
+    return {
+        "attention_backend": state.backend_name, "cudagraph_mode": str(getattr(state.config.cudagraph_mode, "value",
+                                                                              state.config.cudagraph_mode)),
+        "compile": bool(state.config.compile), "block_size": eng.block_size, "num_kv_blocks": eng.num_kv_blocks,
+        "kv_cache_bytes": eng.kv_cache_bytes, "graph_pool_bytes": state.extra_info.get("graph_pool_bytes", 0),
+        "startup": dict(state.startup), "compile_cache": state.extra_info.get("compile_cache"),
+        "backend_autotune": state.extra_info.get("backend_autotune"),
+        "config": {k: (v.value if hasattr(v, "value") else v) for k, v in vars(state.config).items()},
+    }
+
+
+@contextmanager
+def _stock_attention(model):
+    state: AccelState = getattr(model, _STATE)
+    model.set_attn_implementation(state.original_attn_implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION_NAME)
+
+
+def _warn_stock(state: AccelState, reason: str) -> None:
+    if reason not in state.warned:
+        state.warned.add(reason)
+        warnings.warn(f"hf_accel does not accelerate {reason}; this call runs stock transformers generate()",
+                      UserWarning, stacklevel=3)
+
+
+def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_config=None, logits_processor=None,
+                          stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None,
+                          assistant_model=None, streamer=None, negative_prompt_ids=None,
+                          negative_prompt_attention_mask=None, **kwargs):
+    """transformers' generate(), served by the hf_accel engine (stock path, with a warning, for other modes)."""
+    state: AccelState = getattr(self, _STATE)
+    stock_args = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
+                      stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                      synced_gpus=synced_gpus, assistant_model=assistant_model, streamer=streamer,
+                      negative_prompt_ids=negative_prompt_ids,
+                      negative_prompt_attention_mask=negative_prompt_attention_mask, **kwargs)
+    tokenizer = kwargs.pop("tokenizer", None)
+    kwargs.pop("assistant_tokenizer", None)
+    input_ids = kwargs.pop("input_ids", None)
+    if inputs is not None and input_ids is not None:
+        raise ValueError("pass the prompt either as `inputs` or as `input_ids`, not both")
+    input_ids = inputs if inputs is not None else input_ids
+    gc, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+    reason = stock_reason(gc, model_kwargs, dict(assistant_model=assistant_model, synced_gpus=synced_gpus,
+                                                 prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                                                 negative_prompt_ids=negative_prompt_ids))
+    if reason is None and input_ids is None:
+        reason = "generation without input_ids (inputs_embeds or an unconditional start)"
+    if reason is not None:
+        _warn_stock(state, reason)
+        with _stock_attention(self):
+            return type(self).generate(self, **stock_args)
+    return state.generator.generate(input_ids, gc, model_kwargs, logits_processor, stopping_criteria, streamer,
+                                    tokenizer=tokenizer)
+
+
+def _accelerated_generate_batch(self, inputs: list[list[int]], generation_config=None,
+                                continuous_batching_config=None, record_timestamps: bool = False,
+                                progress_bar: bool = False, persistent_manager: bool = False, warmup: bool = True,
+                                **kwargs):
+    """transformers' generate_batch(): same signature and return type, served by the hf_accel engine.
+
+    `continuous_batching_config`, `persistent_manager` and `warmup` are accepted and ignored: the engine is
+    configured by accelerate_model() and already warm.
+    """
+    state: AccelState = getattr(self, _STATE)
+    max_new_tokens = kwargs.pop("max_new_tokens", None)
+    if kwargs:
+        logger.warning("hf_accel generate_batch ignores unsupported keyword arguments %s", sorted(kwargs))
+    return state.generator.generate_batch(inputs, generation_config, progress_bar, max_new_tokens)

@@ -1,0 +1,200 @@
+"""LLMEngine: requests in, tokens out. Owns the KV cache, block manager, scheduler, runner and sampler."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_accel.attention.backend import AttentionBackend, AttentionSpec
+from hf_accel.config import AccelConfig
+from hf_accel.engine.block_manager import BlockManager
+from hf_accel.engine.kv_cache import allocate_kv_cache, bytes_per_block
+from hf_accel.engine.request import Request
+from hf_accel.engine.runner import ModelRunner
+from hf_accel.engine.sampler import Sampler
+from hf_accel.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on CPU when num_kv_blocks is not given
+GPU_GRAPH_RESERVE_BYTES = 1 << 30  # kept free for the CUDA graph pool and compile workspace before sizing the cache
+
+
+@dataclass
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(
+            num_layers=text.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            max_model_len=getattr(text, "max_position_embeddings", None) or 2048, vocab_size=text.vocab_size,
+        )
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, cfg: AccelConfig, backend_cls: type[AttentionBackend],
+                 spec: AttentionSpec) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.device = next(model.parameters()).device
+        self.shape = ModelShape.from_config(model.config)
+        self.block_size = cfg.block_size or backend_cls.supported_block_sizes[0]
+        if self.block_size not in backend_cls.supported_block_sizes:
+            raise ValueError(f"block_size {self.block_size} is not supported by the {backend_cls.name} backend "
+                             f"(supports {backend_cls.supported_block_sizes})")
+        self.max_blocks_per_seq = -(-self.shape.max_model_len // self.block_size)
+        self.max_num_tokens = max(cfg.max_num_batched_tokens, max(cfg.cudagraph_capture_sizes or [1]))
+        self.stats = EngineStats()
+        t0 = time.perf_counter()
+        self.backend = backend_cls(spec, self.device, self.block_size, cfg.max_num_seqs, self.max_num_tokens,
+                                   self.max_blocks_per_seq)
+        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(spec.dtype)
+        self.kv_caches = allocate_kv_cache(self.shape.num_layers, num_blocks, self.block_size,
+                                           self.shape.num_kv_heads, self.shape.head_dim, spec.dtype, self.device)
+        self.num_kv_blocks = num_blocks
+        self.kv_cache_bytes = num_blocks * bytes_per_block(self.shape.num_layers, self.block_size,
+                                                           self.shape.num_kv_heads, self.shape.head_dim, spec.dtype)
+        self.block_manager = BlockManager(num_blocks, self.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.backend, self.kv_caches, self.block_size, cfg.max_num_seqs,
+                                  self.max_num_tokens, self.max_blocks_per_seq)
+        self.sampler = Sampler()
+        self.stats.timings["kv_cache_s"] = time.perf_counter() - t0
+        logger.info("hf_accel: %s attention, %d KV blocks of %d tokens (%.2f GiB)", backend_cls.name, num_blocks,
+                    self.block_size, self.kv_cache_bytes / 2**30)
+        self._next_id = 0
+
+    def _auto_num_blocks(self, dtype: torch.dtype) -> int:
+        per_block = bytes_per_block(self.shape.num_layers, self.block_size, self.shape.num_kv_heads,
+                                    self.shape.head_dim, dtype)
+        one_seq = self.max_blocks_per_seq + 1
+        if self.device.type != "cuda":
+            want = self.max_blocks_per_seq * min(self.cfg.max_num_seqs, 64) + 1
+            return max(one_seq, min(want, CPU_KV_CACHE_BYTES // per_block))
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak_activation = self._profile_activation_bytes()
+        used = total - free
+        budget = total * self.cfg.gpu_memory_utilization - used - peak_activation - GPU_GRAPH_RESERVE_BYTES
+        blocks = int(budget // per_block)
+        if blocks < one_seq:
+            raise RuntimeError(f"not enough GPU memory for the KV cache: {blocks} blocks fit, one sequence of "
+                               f"max_position_embeddings needs {one_seq}; lower max_num_batched_tokens or "
+                               f"raise gpu_memory_utilization")
+        return blocks
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak activation memory of one forward at the full token budget (dummy single sequence)."""
+        from hf_accel.attention.context import ForwardContext, forward_context
+        from hf_accel.attention.metadata import StepMetadata
+
+        t = min(self.cfg.max_num_batched_tokens, self.shape.max_model_len)
+        nblk = -(-t // self.block_size) + 1
+        caches = allocate_kv_cache(self.shape.num_layers, nblk, self.block_size, self.shape.num_kv_heads,
+                                   self.shape.head_dim, next(self.model.parameters()).dtype, self.device)
+        dev = self.device
+        meta = StepMetadata(
+            num_tokens=t, num_seqs=1, max_query_len=t, max_seq_len=t, block_size=self.block_size,
+            query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(1, dtype=torch.int32, device=dev),
+            block_tables=torch.arange(1, nblk, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(self.block_size, self.block_size + t, dtype=torch.int64, device=dev),
+            query_lens_cpu=[t], seq_lens_cpu=[t],
+        )
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        self.backend.prepare(meta)
+        ids = torch.randint(10, 1000, (t,), device=dev) % self.shape.vocab_size
+        with torch.inference_mode(), forward_context(ForwardContext(meta, self.backend, caches)):
+            self.model(input_ids=ids[None], position_ids=torch.arange(t, device=dev)[None],
+                       logits_to_keep=torch.tensor([t - 1], device=dev), use_cache=False)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        del caches
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def new_request_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def add_request(self, req: Request) -> None:
+        if req.num_prompt_tokens == 0:
+            raise ValueError("empty prompt: every request needs at least one token")
+        self.scheduler.add(req)
+
+    def step(self) -> list[tuple[Request, int]]:
+        """Run one engine step; returns (request, token) for every token sampled in it."""
+        sched = self.scheduler.schedule()
+        self.stats.preemptions += len(sched.preempted)
+        if not sched.requests:
+            if self.scheduler.has_work:
+                raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
+            return []
+        logits, sampled = self.runner.execute(sched)
+        for req, n in zip(sched.requests, sched.num_tokens):
+            req.num_computed_tokens += n
+            self.block_manager.commit(req)
+        self.stats.steps += 1
+        if not sampled:
+            return []
+        tokens, scores = self.sampler(logits, sampled)
+        token_list = tokens.tolist()  # the step's one device-to-host sync
+        out = []
+        for i, (req, tok) in enumerate(zip(sampled, token_list)):
+            req.output_token_ids.append(tok)
+            if req.want_scores:
+                req.scores.append(scores[i].detach().clone())
+            if req.want_logits:
+                req.raw_logits.append(logits[i].detach().clone())
+            out.append((req, tok))
+            reason = None
+            if tok in req.eos_token_ids:
+                reason = "stop"
+            elif len(req.output_token_ids) >= req.max_new_tokens:
+                reason = "length"
+            elif req.stop_check is not None and req.stop_check(req):
+                reason = "stop"
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+        return out
+
+    def run(self, requests: list[Request],
+            on_tokens: Callable[[list[tuple[Request, int]]], None] | None = None) -> list[Request]:
+        """Add the requests and step until every one has finished. On error nothing stays queued."""
+        try:
+            for req in requests:
+                self.add_request(req)
+            while self.scheduler.has_work:
+                emitted = self.step()
+                if on_tokens is not None and emitted:
+                    on_tokens(emitted)
+        except BaseException:
+            self.scheduler.abort_all()
+            raise
+        return requests

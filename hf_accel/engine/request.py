@@ -1,0 +1,80 @@
+"""A request: one prompt's journey through the engine, and the sampling parameters it carries."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling knobs; the sampler batches requests with different values in one step."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    seed: int = 0  # counter-based RNG seed: same seed, same tokens, whatever the batch around the request
+
+    @property
+    def is_greedy(self) -> bool:
+        return not self.do_sample
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: frozenset[int] = frozenset()
+    # extra stop check on the full token list (prompt + output); True stops after the token just appended
+    stop_check: Callable[[Request], bool] | None = None
+    # slow path: HF-style logits processing for this request (row token ids, float32 logits [V]) -> scores [V]
+    logits_hook: Callable[[Request, object], object] | None = None
+    want_scores: bool = False
+    want_logits: bool = False
+    # tokens that count for the repetition penalty besides the request's own (the row's left padding, as stock
+    # transformers penalizes every id in the padded row)
+    extra_penalty_tokens: tuple[int, ...] = ()
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at the last admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    scores: list = field(default_factory=list)  # per generated token, when want_scores
+    raw_logits: list = field(default_factory=list)  # per generated token, when want_logits
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,169 @@
+"""The model runner: packs one scheduled step into `[1, T]` tensors, runs the forward, returns sampled logits.
+
+Host-side packing is numpy per sequence (no Python loop over tokens); one host-to-device copy per buffer fills
+persistent device buffers, of which StepMetadata holds views, so a captured CUDA graph sees the same addresses on
+every replay. Logits are computed only for the last token of each sequence that samples this step, through the
+family's own `*ForCausalLM.forward(logits_to_keep=<index tensor>)`, so final-logit softcapping and scaling stay
+the family's own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hf_accel.attention.backend import AttentionBackend
+from hf_accel.attention.context import ForwardContext, forward_context
+from hf_accel.attention.metadata import StepMetadata
+from hf_accel.engine.request import Request
+from hf_accel.engine.scheduler import ScheduledStep
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """Host-side packing of one step."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray  # [B, blocks] (only as wide as this step needs)
+    logits_indices: np.ndarray
+    sampled: list[Request]
+    max_query_len: int
+    max_seq_len: int
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, max_num_seqs: int,
+                 max_num_tokens: int, max_blocks_per_seq: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = next(model.parameters()).device
+        dev, i32, i64 = self.device, torch.int32, torch.int64
+        self.input_ids = torch.zeros(max_num_tokens, dtype=i64, device=dev)
+        self.positions = torch.zeros(max_num_tokens, dtype=i64, device=dev)
+        self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=i64, device=dev)
+        self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=i32, device=dev)
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=i32, device=dev)
+        self.context_lens = torch.zeros(max_num_seqs, dtype=i32, device=dev)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=i32, device=dev)
+        self.logits_indices = torch.zeros(max_num_seqs, dtype=i64, device=dev)
+        # graph dispatch hook, installed by the compilation layer: (inputs, meta) -> logits or None (run eagerly)
+        self.graph_forward: Callable[[StepInputs, StepMetadata], torch.Tensor | None] | None = None
+
+    # -- packing -----------------------------------------------------------------------------------------------
+    def pack(self, step: ScheduledStep) -> StepInputs:
+        bs = self.block_size
+        ids, pos, slots, qsl, seq_lens, tables, logits_idx, sampled = [], [], [], [0], [], [], [], []
+        max_blocks = 0
+        for req, n in zip(step.requests, step.num_tokens):
+            start = req.num_computed_tokens
+            end = start + n
+            if n == 1:
+                ids.append(np.array([req.token_at(start)], dtype=np.int64))
+            else:
+                toks = req.prompt_token_ids[start:end]
+                if end > req.num_prompt_tokens:
+                    toks = toks + req.output_token_ids[max(0, start - req.num_prompt_tokens) : end - req.num_prompt_tokens]
+                ids.append(np.asarray(toks, dtype=np.int64))
+            p = np.arange(start, end, dtype=np.int64)
+            blocks = np.asarray(req.block_ids, dtype=np.int64)
+            pos.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            tables.append(req.block_ids)
+            max_blocks = max(max_blocks, len(req.block_ids))
+            if end == req.num_tokens:  # the prompt (or the last token) is complete: sample the next one
+                logits_idx.append(qsl[-1] - 1)
+                sampled.append(req)
+        table = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        return StepInputs(
+            input_ids=np.concatenate(ids), positions=np.concatenate(pos), slot_mapping=np.concatenate(slots),
+            query_start_loc=np.asarray(qsl, dtype=np.int32), seq_lens=np.asarray(seq_lens, dtype=np.int32),
+            block_tables=table, logits_indices=np.asarray(logits_idx, dtype=np.int64), sampled=sampled,
+            max_query_len=max(step.num_tokens), max_seq_len=max(seq_lens),
+        )
+
+    def upload(self, inp: StepInputs, num_tokens_padded: int | None = None,
+               num_seqs_padded: int | None = None) -> StepMetadata:
+        """Copy the packed step into the persistent buffers; padded tokens/rows get null slots and seq_len 0."""
+        t, b = len(inp.input_ids), len(inp.seq_lens)
+        tp, bp = num_tokens_padded or t, num_seqs_padded or b
+        nonblocking = self.device.type == "cuda"
+
+        def put(dst: torch.Tensor, src: np.ndarray) -> None:
+            host = torch.from_numpy(src)
+            dst.copy_(host.pin_memory() if nonblocking else host, non_blocking=nonblocking)
+
+        put(self.input_ids[:t], inp.input_ids)
+        put(self.positions[:t], inp.positions)
+        put(self.slot_mapping[:t], inp.slot_mapping)
+        if tp > t:
+            self.input_ids[t:tp].zero_()
+            self.positions[t:tp].zero_()
+            self.slot_mapping[t:tp].fill_(-1)
+        put(self.query_start_loc[: b + 1], inp.query_start_loc)
+        put(self.seq_lens[:b], inp.seq_lens)
+        put(self.context_lens[:b], inp.seq_lens - np.diff(inp.query_start_loc))
+        width = inp.block_tables.shape[1]
+        put(self.block_tables[:b, :width], inp.block_tables)
+        if width < self.max_blocks_per_seq:
+            self.block_tables[:b, width:].zero_()
+        if bp > b:  # graph-padded rows: one query token each past the real ones, nothing to read
+            self.query_start_loc[b + 1 : bp + 1] = torch.arange(t + 1, t + 1 + bp - b, device=self.device,
+                                                                 dtype=torch.int32).clamp(max=tp)
+            self.seq_lens[b:bp].zero_()
+            self.context_lens[b:bp].zero_()
+            self.block_tables[b:bp].zero_()
+        n = len(inp.logits_indices)
+        if n:
+            put(self.logits_indices[:n], inp.logits_indices)
+        return StepMetadata(
+            num_tokens=t, num_seqs=b, max_query_len=inp.max_query_len, max_seq_len=inp.max_seq_len,
+            block_size=self.block_size, query_start_loc=self.query_start_loc[: bp + 1], seq_lens=self.seq_lens[:bp],
+            context_lens=self.context_lens[:bp], block_tables=self.block_tables[:bp], slot_mapping=self.slot_mapping[:tp],
+            query_lens_cpu=np.diff(inp.query_start_loc).tolist(), seq_lens_cpu=inp.seq_lens.tolist(),
+        )
+
+    # -- forward -----------------------------------------------------------------------------------------------
+    def model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      logits_indices: torch.Tensor) -> torch.Tensor:
+        """The family's full causal-LM forward on packed input: logits `[N, V]` for the rows in logits_indices."""
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=logits_indices,
+                         use_cache=False)
+        return out.logits[0]
+
+    def context(self, meta: StepMetadata) -> ForwardContext:
+        return ForwardContext(metadata=meta, backend=self.backend, kv_caches=self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Request]]:
+        """Run one step; returns float32 logits `[N, V]` for the requests that sample, and those requests."""
+        inp = self.pack(step)
+        logits = None
+        if self.graph_forward is not None:
+            logits = self.graph_forward(inp)
+        if logits is None:
+            meta = self.upload(inp)
+            self.backend.prepare(meta)
+            n, t = len(inp.logits_indices), len(inp.input_ids)
+            with forward_context(self.context(meta)):
+                logits = self.model_forward(self.input_ids[:t], self.positions[:t], self.logits_indices[:n])
+        return logits.float(), inp.sampled

@@ -1,0 +1,114 @@
+"""Token-budget scheduler: running requests first, then new ones; prefill chunks and decodes in one step.
+
+Each step spends at most `max_num_batched_tokens` tokens. Running requests (decodes, or prefills already under way)
+are served first, in arrival order; whatever budget is left admits waiting requests, whose prompts are cut into
+chunks when they do not fit. When the KV cache runs out of blocks, the most recently admitted running request is
+preempted: its blocks are released and it goes back to the front of the queue, to be recomputed from its prompt and
+the tokens it already produced (which the prefix cache often still holds). No request is ever dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hf_accel.engine.block_manager import BlockManager
+from hf_accel.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledStep:
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens computed for each request this step
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        # a request that could never fit would preempt everyone forever: refuse it up front
+        need = self.block_manager.blocks_needed(req.num_prompt_tokens + req.max_new_tokens)
+        if need > self.block_manager.num_usable_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks (prompt {req.num_prompt_tokens} + {req.max_new_tokens} new tokens) "
+                f"but the cache has {self.block_manager.num_usable_blocks}; raise num_kv_blocks or shorten the request"
+            )
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, req: Request, step: ScheduledStep) -> None:
+        self.block_manager.release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        step.preempted.append(req)
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not bm.ensure(req, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            else:
+                step.requests.append(req)
+                step.num_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted: it was the last running one
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not step.preempted:
+            req = self.waiting[0]
+            if not req.block_ids:
+                req.num_cached_tokens = bm.admit(req)
+                req.num_computed_tokens = req.num_cached_tokens
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not bm.ensure(req, req.num_computed_tokens + n):
+                bm.release(req)
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            step.requests.append(req)
+            step.num_tokens.append(n)
+            budget -= n
+        return step
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.running.remove(req)
+        self.block_manager.release(req)
+
+    def abort_all(self) -> None:
+        for req in list(self.running):
+            self.block_manager.release(req)
+        self.running.clear()
+        self.waiting.clear()

@@ -1,0 +1,332 @@
+"""The transformers `generate()` / `generate_batch()` contract, served by the engine.
+
+Stock transformers is the reference for every behaviour here: configuration resolution (kwargs > passed
+GenerationConfig > model.generation_config > defaults), `max_length` counting the padded prompt, EOS lists, pad
+filling after EOS, min lengths, stop strings, user stopping criteria and logits processors, streamers,
+`num_return_sequences` and `return_dict_in_generate`. Left padding is stripped: each row becomes one request
+(times `num_return_sequences`). Generation modes the engine does not run take the stock path with one warning.
+
+Decisions where stock behaviour cannot be reproduced row by row (written down in the README too):
+- after a row finishes, stock keeps computing it; we do not, so its `scores`/`logits` entries for later steps are
+  -inf everywhere except 0 at `pad_token_id` (the token the row is filled with);
+- user `logits_processor` and `stopping_criteria` are called per row with that row's token ids as stock would hold
+  them (left padding included), shape `[1, L]`; stopping criteria get `scores=None`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from hf_accel.engine.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from hf_accel.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+# logits processors the batched sampler reproduces exactly; any other one switches that call to the per-row path
+_FAST_PROCESSORS = (RepetitionPenaltyLogitsProcessor, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
+                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+# generate() keyword arguments that the engine understands (besides GenerationConfig fields)
+_ENGINE_MODEL_KWARGS = {"attention_mask", "use_cache", "cache_implementation", "position_ids", "token_type_ids"}
+
+
+def stock_reason(generation_config: GenerationConfig, model_kwargs: dict[str, Any], extra: dict[str, Any]) -> str | None:
+    """Why this call must take the stock path, or None if the engine can serve it."""
+    gc = generation_config
+    if extra.get("assistant_model") is not None or gc.prompt_lookup_num_tokens is not None:
+        return "assisted / prompt-lookup decoding"
+    if getattr(gc, "assistant_early_exit", None) is not None:
+        return "assisted decoding (early exit)"
+    if (gc.num_beams or 1) > 1:
+        return "beam search"
+    if getattr(gc, "penalty_alpha", None) is not None and gc.penalty_alpha > 0:
+        return "contrastive search"
+    if gc.output_attentions or gc.output_hidden_states:
+        return "output_attentions / output_hidden_states"
+    if extra.get("prefix_allowed_tokens_fn") is not None:
+        return "prefix_allowed_tokens_fn"
+    if extra.get("negative_prompt_ids") is not None or (gc.guidance_scale is not None and gc.guidance_scale != 1):
+        return "classifier-free guidance"
+    if extra.get("synced_gpus"):
+        return "synced_gpus"
+    for key in model_kwargs:
+        if key not in _ENGINE_MODEL_KWARGS and model_kwargs[key] is not None:
+            return f"model input {key!r}"
+    if model_kwargs.get("token_type_ids") is not None:
+        return "model input 'token_type_ids'"
+    return None
+
+
+def _eos_ids(gc: GenerationConfig) -> list[int]:
+    eos = gc.eos_token_id
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+class _StreamFeeder:
+    """Feeds a streamer exactly as stock generate() does: one `[B]` tensor per step, pad for finished rows."""
+
+    def __init__(self, streamer, requests: list[Request], pad_token_id: int) -> None:
+        self.streamer = streamer
+        self.requests = requests
+        self.pad = pad_token_id
+        self.emitted = 0
+
+    def __call__(self, _emitted=None) -> None:
+        while True:
+            k = self.emitted
+            row = []
+            for r in self.requests:
+                if len(r.output_token_ids) > k:
+                    row.append(r.output_token_ids[k])
+                elif r.is_finished:
+                    row.append(self.pad)
+                else:
+                    return
+            if all(len(r.output_token_ids) <= k for r in self.requests):
+                return
+            self.streamer.put(torch.tensor(row, dtype=torch.long))
+            self.emitted += 1
+
+
+class EngineGenerator:
+    """Turns generate()/generate_batch() calls into engine requests and back."""
+
+    def __init__(self, model: torch.nn.Module, engine: LLMEngine) -> None:
+        self.model = model
+        self.engine = engine
+
+    # -- generate() --------------------------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any],
+                 logits_processor: LogitsProcessorList | None, stopping_criteria, streamer,
+                 tokenizer=None) -> torch.Tensor | GenerateDecoderOnlyOutput:
+        gc = generation_config
+        model = self.model
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, length], got shape {tuple(input_ids.shape)}")
+        batch, padded_len = input_ids.shape
+        if batch == 0 or padded_len == 0:
+            raise ValueError("empty prompt: input_ids has no tokens (generate needs at least one prompt token)")
+        device = input_ids.device
+        eos = _eos_ids(gc)
+        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else None)
+        if isinstance(pad, torch.Tensor):
+            pad = int(pad.item())
+        attention_mask = model_kwargs.get("attention_mask")
+        if attention_mask is None:
+            if pad is not None and (input_ids == pad).any() and pad not in eos:
+                attention_mask = input_ids.ne(pad).long()
+            else:
+                attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids "
+                             f"{tuple(input_ids.shape)}")
+
+        # lengths, as stock generate() counts them (max_length includes the padded prompt)
+        has_default_max_length = gc.max_new_tokens is None and getattr(gc, "_from_model_config", False) is False
+        if gc.max_new_tokens is not None:
+            max_length = gc.max_new_tokens + padded_len
+        else:
+            max_length = gc.max_length
+            if padded_len >= max_length:
+                raise ValueError(
+                    f"Input length of input_ids is {padded_len}, but `max_length` is set to {max_length}. This can "
+                    "lead to unexpected behavior. You should consider increasing `max_length` or, better yet, "
+                    "setting `max_new_tokens`.")
+            if has_default_max_length and max_length == 20:
+                warnings.warn(f"Using the model-agnostic default `max_length` (={max_length}) to control the "
+                              "generation length. We recommend setting `max_new_tokens` to control the maximum "
+                              "length of the generation.", UserWarning, stacklevel=3)
+        max_new = max_length - padded_len
+        min_new = max(gc.min_new_tokens or 0, (gc.min_length or 0) - padded_len, 0)
+        if pad is None and batch > 1:
+            pad = 0
+
+        # logits processing: batched fast path unless a processor we do not reproduce is present
+        processors = model._get_logits_processor(
+            generation_config=gc, input_ids_seq_length=padded_len, encoder_input_ids=input_ids,
+            logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+            device=device, model_kwargs=model_kwargs)
+        slow = any(not isinstance(p, _FAST_PROCESSORS) for p in processors) or bool(logits_processor)
+        criteria = list(stopping_criteria or [])
+        if gc.stop_strings is not None:
+            if tokenizer is None:
+                raise ValueError("There are one or more stop strings, either in the arguments to `generate` or in "
+                                 "the model's generation config, but we could not locate a tokenizer. When "
+                                 "generating with stop strings, you must pass the model's tokenizer to the "
+                                 "`tokenizer` argument of `generate`.")
+            criteria.append(StopStringCriteria(stop_strings=gc.stop_strings, tokenizer=tokenizer))
+        deadline = time.monotonic() + gc.max_time if gc.max_time is not None else None
+
+        n_ret = gc.num_return_sequences or 1
+        base_seed = int(torch.randint(0, 2**62, (1,)).item())  # from the global RNG: torch.manual_seed reproduces
+        rows_cpu = input_ids.cpu()
+        mask_cpu = attention_mask.cpu().bool()
+        requests: list[Request] = []
+        max_pos = self.engine.shape.max_model_len
+        for b in range(batch):
+            prompt = rows_cpu[b][mask_cpu[b]].tolist()
+            if not prompt:
+                raise ValueError(f"row {b} of the batch is all padding (attention_mask is all zeros): nothing to "
+                                 "generate from")
+            if len(prompt) + max_new > max_pos:
+                raise ValueError(f"row {b}: prompt of {len(prompt)} tokens + {max_new} new tokens exceeds the "
+                                 f"model's max_position_embeddings ({max_pos})")
+            padded_row = rows_cpu[b].tolist()
+            for _ in range(n_ret):
+                rid = self.engine.new_request_id()
+                req = Request(
+                    request_id=rid, prompt_token_ids=prompt, max_new_tokens=max_new,
+                    sampling=SamplingParams(
+                        do_sample=bool(gc.do_sample), temperature=float(gc.temperature or 1.0),
+                        top_k=int(gc.top_k or 0), top_p=float(gc.top_p if gc.top_p is not None else 1.0),
+                        min_p=float(gc.min_p or 0.0), repetition_penalty=float(gc.repetition_penalty or 1.0),
+                        min_new_tokens=min_new, seed=base_seed + 7919 * len(requests)),
+                    eos_token_ids=frozenset(eos),
+                    want_scores=bool(gc.output_scores and gc.return_dict_in_generate),
+                    want_logits=bool(gc.output_logits and gc.return_dict_in_generate),
+                    extra_penalty_tokens=tuple(set(padded_row) - set(prompt)),
+                )
+                row_of = _row_view(padded_row)
+                if slow:
+                    req.logits_hook = _processor_hook(processors, row_of, device)
+                if criteria or deadline is not None:
+                    req.stop_check = _stop_hook(criteria, row_of, deadline)
+                requests.append(req)
+
+        feeder = None
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+            feeder = _StreamFeeder(streamer, requests, pad if pad is not None else 0)
+        self.engine.run(requests, on_tokens=feeder)
+        if feeder is not None:
+            feeder()
+            streamer.end()
+
+        # assemble: the padded prompt row + new tokens, pad after EOS
+        gen_len = max(len(r.output_token_ids) for r in requests)
+        out = torch.full((len(requests), padded_len + gen_len), pad if pad is not None else 0, dtype=torch.long)
+        out[:, :padded_len] = rows_cpu.repeat_interleave(n_ret, dim=0)
+        for i, r in enumerate(requests):
+            out[i, padded_len : padded_len + len(r.output_token_ids)] = torch.tensor(r.output_token_ids)
+        sequences = out.to(device)
+        if not gc.return_dict_in_generate:
+            return sequences
+        scores = _stack_steps(requests, "scores", gen_len, pad) if gc.output_scores else None
+        logits = _stack_steps(requests, "raw_logits", gen_len, pad) if gc.output_logits else None
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
+
+    # -- generate_batch() ---------------------------------------------------------------------------------------
+    def generate_batch(self, inputs: list[list[int]], generation_config: GenerationConfig | None,
+                       progress_bar: bool, max_new_tokens: int | None) -> dict:
+        from tqdm.auto import tqdm
+        from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+        if not inputs:
+            return {}
+        gc = generation_config if generation_config is not None else self.model.generation_config
+        n_ret = gc.num_return_sequences or 1
+        max_new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
+        if max_new is None:
+            max_new = gc.max_length or 20
+        if max_new <= 0:
+            raise ValueError(f"`max_new_tokens` must be greater than 0, but is {max_new}.")
+        eos = frozenset(_eos_ids(gc))
+        base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        max_pos = self.engine.shape.max_model_len
+        requests, ids = [], []
+        for i, prompt in enumerate(inputs):
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise ValueError(f"input {i} is an empty prompt")
+            if len(prompt) + max_new > max_pos:
+                raise ValueError(f"input {i}: prompt of {len(prompt)} tokens + {max_new} new tokens exceeds the "
+                                 f"model's max_position_embeddings ({max_pos})")
+            for _ in range(n_ret):
+                ids.append(f"req_{len(ids)}")
+                requests.append(Request(
+                    request_id=self.engine.new_request_id(), prompt_token_ids=prompt, max_new_tokens=max_new,
+                    sampling=SamplingParams(
+                        do_sample=bool(gc.do_sample), temperature=float(gc.temperature or 1.0),
+                        top_k=int(gc.top_k or 0), top_p=float(gc.top_p if gc.top_p is not None else 1.0),
+                        min_p=float(gc.min_p or 0.0), repetition_penalty=float(gc.repetition_penalty or 1.0),
+                        min_new_tokens=int(gc.min_new_tokens or 0), seed=base_seed + 7919 * len(requests)),
+                    eos_token_ids=eos))
+        created = time.perf_counter()
+        with tqdm(total=len(requests), disable=not progress_bar, desc=f"Solving {len(requests)} requests",
+                  unit="request") as pbar:
+            def on_tokens(emitted):
+                pbar.update(sum(1 for r, _ in emitted if r.is_finished))
+
+            self.engine.run(requests, on_tokens=on_tokens)
+        done = time.perf_counter()
+        return {
+            rid: GenerationOutput(request_id=rid, prompt_ids=list(r.prompt_token_ids),
+                                  generated_tokens=list(r.output_token_ids), status=RequestStatus.FINISHED,
+                                  created_time=created, lifespan=(created, done))
+            for rid, r in zip(ids, requests)
+        }
+
+
+def _row_view(padded_row: list[int]) -> Callable[[Request], torch.Tensor]:
+    """The row as stock generate() holds it: padded prompt + generated tokens, shape [1, L]."""
+
+    def row(req: Request) -> torch.Tensor:
+        return torch.tensor([padded_row + req.output_token_ids], dtype=torch.long)
+
+    return row
+
+
+def _processor_hook(processors: LogitsProcessorList, row_of, device: torch.device):
+    def hook(req: Request, logits: torch.Tensor) -> torch.Tensor:
+        return processors(row_of(req).to(device), logits.float().clone())
+
+    return hook
+
+
+def _stop_hook(criteria: list, row_of, deadline: float | None):
+    def check(req: Request) -> bool:
+        if deadline is not None and time.monotonic() > deadline:
+            return True
+        if not criteria:
+            return False
+        ids = row_of(req)
+        return any(bool(torch.as_tensor(c(ids, None)).any()) for c in criteria)
+
+    return check
+
+
+def _stack_steps(requests: list[Request], attr: str, steps: int, pad: int | None) -> tuple[torch.Tensor, ...]:
+    """Per-step `[B, V]` tensors; rows that already finished hold -inf with 0 at the pad token."""
+    first = next(getattr(r, attr)[0] for r in requests if getattr(r, attr))
+    vocab, dev = first.shape[-1], first.device
+    filler = torch.full((vocab,), float("-inf"), device=dev)
+    if pad is not None:
+        filler[pad] = 0.0
+    out = []
+    for k in range(steps):
+        out.append(torch.stack([getattr(r, attr)[k] if k < len(getattr(r, attr)) else filler for r in requests]))
+    return tuple(out)

@@ -1,0 +1,9 @@
+"""Gemma 2: attention logit softcapping and alternating sliding-window layers.
+
+Both arrive through the attention interface (`softcap=`, `sliding_window=` per layer) and the final-logit
+softcap stays in Gemma2ForCausalLM.forward, so the generic path is exact; this module documents that.
+"""
+
+from hf_accel.patches.base import FamilyPatch
+
+PATCH = FamilyPatch()
