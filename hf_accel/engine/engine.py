@@ -49,7 +49,6 @@ class ModelShape:
 class EngineStats:
     steps: int = 0
     preemptions: int = 0
-    prefix_cache_hit_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
 

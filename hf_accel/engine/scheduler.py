@@ -37,6 +37,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefix_hit_tokens = 0  # tokens served from the prefix cache at admission, over the engine's life
 
     def add(self, req: Request) -> None:
         # a request that could never fit would preempt everyone forever: refuse it up front
@@ -88,6 +89,7 @@ class Scheduler:
             if not req.block_ids:
                 req.num_cached_tokens = bm.admit(req)
                 req.num_computed_tokens = req.num_cached_tokens
+                self.prefix_hit_tokens += req.num_cached_tokens
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not bm.ensure(req, req.num_computed_tokens + n):
                 bm.release(req)
