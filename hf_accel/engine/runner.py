@@ -67,19 +67,17 @@ class ModelRunner:
 
     # -- packing -----------------------------------------------------------------------------------------------
     def pack(self, step: ScheduledStep) -> StepInputs:
+        if step.total_tokens == len(step.requests):
+            return self._pack_decode(step)
         bs = self.block_size
         ids, pos, slots, qsl, seq_lens, tables, logits_idx, sampled = [], [], [], [0], [], [], [], []
-        max_blocks = 0
         for req, n in zip(step.requests, step.num_tokens):
             start = req.num_computed_tokens
             end = start + n
-            if n == 1:
-                ids.append(np.array([req.token_at(start)], dtype=np.int64))
-            else:
-                toks = req.prompt_token_ids[start:end]
-                if end > req.num_prompt_tokens:
-                    toks = toks + req.output_token_ids[max(0, start - req.num_prompt_tokens) : end - req.num_prompt_tokens]
-                ids.append(np.asarray(toks, dtype=np.int64))
+            toks = req.prompt_token_ids[start:end]
+            if end > req.num_prompt_tokens:
+                toks = toks + req.output_token_ids[max(0, start - req.num_prompt_tokens) : end - req.num_prompt_tokens]
+            ids.append(np.asarray(toks, dtype=np.int64))
             p = np.arange(start, end, dtype=np.int64)
             blocks = np.asarray(req.block_ids, dtype=np.int64)
             pos.append(p)
@@ -87,19 +85,40 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             tables.append(req.block_ids)
-            max_blocks = max(max_blocks, len(req.block_ids))
             if end == req.num_tokens:  # the prompt (or the last token) is complete: sample the next one
                 logits_idx.append(qsl[-1] - 1)
                 sampled.append(req)
-        table = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
         return StepInputs(
             input_ids=np.concatenate(ids), positions=np.concatenate(pos), slot_mapping=np.concatenate(slots),
             query_start_loc=np.asarray(qsl, dtype=np.int32), seq_lens=np.asarray(seq_lens, dtype=np.int32),
-            block_tables=table, logits_indices=np.asarray(logits_idx, dtype=np.int64), sampled=sampled,
-            max_query_len=max(step.num_tokens), max_seq_len=max(seq_lens),
+            block_tables=self._block_table(tables), logits_indices=np.asarray(logits_idx, dtype=np.int64),
+            sampled=sampled, max_query_len=max(step.num_tokens), max_seq_len=max(seq_lens),
         )
+
+    def _pack_decode(self, step: ScheduledStep) -> StepInputs:
+        """All requests decode one token: plain list comprehensions, no per-request numpy calls."""
+        bs = self.block_size
+        reqs = step.requests
+        positions = [r.num_computed_tokens for r in reqs]
+        ids = [r.token_at(p) for r, p in zip(reqs, positions)]
+        slots = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, positions)]
+        n = len(reqs)
+        seq_lens = np.asarray(positions, dtype=np.int32) + 1
+        return StepInputs(
+            input_ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(positions, dtype=np.int64),
+            slot_mapping=np.asarray(slots, dtype=np.int64), query_start_loc=np.arange(n + 1, dtype=np.int32),
+            seq_lens=seq_lens, block_tables=self._block_table([r.block_ids for r in reqs]),
+            logits_indices=np.arange(n, dtype=np.int64), sampled=list(reqs), max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+        )
+
+    @staticmethod
+    def _block_table(tables: list[list[int]]) -> np.ndarray:
+        width = max(len(t) for t in tables)
+        table = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        return table
 
     def upload(self, inp: StepInputs, num_tokens_padded: int | None = None,
                num_seqs_padded: int | None = None) -> StepMetadata:
