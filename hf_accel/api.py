@@ -112,8 +112,11 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
         raise
     state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
                        original_attn_implementation=original, backend_name=backend_cls.name)
+    ci = engine.compile_info
     state.startup = {"patch_s": patch_s, "kv_cache_s": engine.stats.timings.get("kv_cache_s", 0.0),
-                     "compile_s": 0.0, "capture_s": 0.0}
+                     "compile_s": ci.get("compile_s", 0.0), "capture_s": ci.get("capture_s", 0.0)}
+    state.extra_info.update(graph_pool_bytes=ci.get("graph_pool_bytes", 0), compile_cache=ci.get("compile_cache"),
+                            effective_cudagraph_mode=ci.get("cudagraph_mode", "none"))
     setattr(model, _STATE, state)
     model.generate = types.MethodType(_accelerated_generate, model)
     model.generate_batch = types.MethodType(_accelerated_generate_batch, model)
@@ -154,8 +157,8 @@ def engine_info(model) -> dict[str, Any]:
         raise ValueError("model is not accelerated (call accelerate_model first)")
     eng = state.engine
     return {
-        "attention_backend": state.backend_name, "cudagraph_mode": str(getattr(state.config.cudagraph_mode, "value",
-                                                                              state.config.cudagraph_mode)),
+        "attention_backend": state.backend_name,
+        "cudagraph_mode": state.extra_info.get("effective_cudagraph_mode", "none"),
         "compile": bool(state.config.compile), "block_size": eng.block_size, "num_kv_blocks": eng.num_kv_blocks,
         "kv_cache_bytes": eng.kv_cache_bytes, "graph_pool_bytes": state.extra_info.get("graph_pool_bytes", 0),
         "startup": dict(state.startup), "compile_cache": state.extra_info.get("compile_cache"),
@@ -198,6 +201,10 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
     if inputs is not None and input_ids is not None:
         raise ValueError("pass the prompt either as `inputs` or as `input_ids`, not both")
     input_ids = inputs if inputs is not None else input_ids
+    # the same test stock generate() makes, on the raw arguments: no max_length anywhere -> 20 *new* tokens
+    has_default_max_length = (kwargs.get("max_length") is None
+                              and (generation_config is None or generation_config.max_length is None)
+                              and self.generation_config.max_length is None)
     gc, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
     reason = stock_reason(gc, model_kwargs, dict(assistant_model=assistant_model, synced_gpus=synced_gpus,
                                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
@@ -209,7 +216,7 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
         with _stock_attention(self):
             return type(self).generate(self, **stock_args)
     return state.generator.generate(input_ids, gc, model_kwargs, logits_processor, stopping_criteria, streamer,
-                                    tokenizer=tokenizer)
+                                    tokenizer=tokenizer, has_default_max_length=has_default_max_length)
 
 
 def _accelerated_generate_batch(self, inputs: list[list[int]], generation_config=None,

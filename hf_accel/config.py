@@ -59,7 +59,8 @@ class AccelConfig:
 
     def validate(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
+            raise ValueError(
+                f"unknown attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
         if self.cudagraph_mode is not None:
             try:
                 self.cudagraph_mode = CUDAGraphMode(self.cudagraph_mode)

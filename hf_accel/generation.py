@@ -9,6 +9,8 @@ filling after EOS, min lengths, stop strings, user stopping criteria and logits 
 Decisions where stock behaviour cannot be reproduced row by row (written down in the README too):
 - after a row finishes, stock keeps computing it; we do not, so its `scores`/`logits` entries for later steps are
   -inf everywhere except 0 at `pad_token_id` (the token the row is filled with);
+- a row ended by a stop string or a stopping criterion is filled with `pad_token_id` even when no EOS is set
+  (stock then keeps generating that row until every row has stopped);
 - user `logits_processor` and `stopping_criteria` are called per row with that row's token ids as stock would hold
   them (left padding included), shape `[1, L]`; stopping criteria get `scores=None`.
 """
@@ -50,7 +52,8 @@ _FAST_PROCESSORS = (RepetitionPenaltyLogitsProcessor, MinLengthLogitsProcessor, 
 _ENGINE_MODEL_KWARGS = {"attention_mask", "use_cache", "cache_implementation", "position_ids", "token_type_ids"}
 
 
-def stock_reason(generation_config: GenerationConfig, model_kwargs: dict[str, Any], extra: dict[str, Any]) -> str | None:
+def stock_reason(generation_config: GenerationConfig, model_kwargs: dict[str, Any],
+                 extra: dict[str, Any]) -> str | None:
     """Why this call must take the stock path, or None if the engine can serve it."""
     gc = generation_config
     if extra.get("assistant_model") is not None or gc.prompt_lookup_num_tokens is not None:
@@ -122,7 +125,7 @@ class EngineGenerator:
     # -- generate() --------------------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any],
                  logits_processor: LogitsProcessorList | None, stopping_criteria, streamer,
-                 tokenizer=None) -> torch.Tensor | GenerateDecoderOnlyOutput:
+                 tokenizer=None, has_default_max_length: bool = False) -> torch.Tensor | GenerateDecoderOnlyOutput:
         gc = generation_config
         model = self.model
         if input_ids.ndim != 2:
@@ -146,31 +149,44 @@ class EngineGenerator:
                              f"{tuple(input_ids.shape)}")
 
         # lengths, as stock generate() counts them (max_length includes the padded prompt)
-        has_default_max_length = gc.max_new_tokens is None and getattr(gc, "_from_model_config", False) is False
         if gc.max_new_tokens is not None:
             max_length = gc.max_new_tokens + padded_len
+        elif has_default_max_length:  # stock: by default, 20 new tokens, capped at the context
+            max_length = gc.max_length + padded_len
+            warnings.warn(f"Using the model-agnostic default `max_length` (={gc.max_length}) to control the "
+                          "generation length. We recommend setting `max_new_tokens` to control the maximum "
+                          "length of the generation.", UserWarning, stacklevel=3)
+            max_pos_cfg = getattr(model.config, "max_position_embeddings", None)
+            if max_pos_cfg is not None:
+                max_length = min(max_length, max_pos_cfg)
         else:
             max_length = gc.max_length
-            if padded_len >= max_length:
-                raise ValueError(
-                    f"Input length of input_ids is {padded_len}, but `max_length` is set to {max_length}. This can "
-                    "lead to unexpected behavior. You should consider increasing `max_length` or, better yet, "
-                    "setting `max_new_tokens`.")
-            if has_default_max_length and max_length == 20:
-                warnings.warn(f"Using the model-agnostic default `max_length` (={max_length}) to control the "
-                              "generation length. We recommend setting `max_new_tokens` to control the maximum "
-                              "length of the generation.", UserWarning, stacklevel=3)
+        if padded_len >= max_length:
+            raise ValueError(
+                f"Input length of input_ids is {padded_len}, but `max_length` is set to {max_length}. This can "
+                "lead to unexpected behavior. You should consider increasing `max_length` or, better yet, "
+                "setting `max_new_tokens`.")
         max_new = max_length - padded_len
         min_new = max(gc.min_new_tokens or 0, (gc.min_length or 0) - padded_len, 0)
         if pad is None and batch > 1:
             pad = 0
 
         # logits processing: batched fast path unless a processor we do not reproduce is present
-        processors = model._get_logits_processor(
-            generation_config=gc, input_ids_seq_length=padded_len, encoder_input_ids=input_ids,
-            logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
-            device=device, model_kwargs=model_kwargs)
+        model._prepare_special_tokens(generation_config=gc, kwargs_has_attention_mask=True, device=device)
+        user_processors = logits_processor if logits_processor is not None else LogitsProcessorList()
+
+        def build_processors(rows: torch.Tensor, rows_mask: torch.Tensor) -> LogitsProcessorList:
+            return model._get_logits_processor(
+                generation_config=gc, input_ids_seq_length=padded_len, encoder_input_ids=rows,
+                logits_processor=user_processors, device=device,
+                model_kwargs={**model_kwargs, "attention_mask": rows_mask})
+
+        processors = build_processors(input_ids, attention_mask)
         slow = any(not isinstance(p, _FAST_PROCESSORS) for p in processors) or bool(logits_processor)
+        # transformers >= 5.2x skips each row's left padding in the repetition penalty; older ones penalize it
+        rep = next((p for p in processors if isinstance(p, RepetitionPenaltyLogitsProcessor)), None)
+        penalize_padding = rep is not None and not isinstance(getattr(rep, "prompt_ignore_length", None),
+                                                              torch.Tensor)
         criteria = list(stopping_criteria or [])
         if gc.stop_strings is not None:
             if tokenizer is None:
@@ -208,11 +224,13 @@ class EngineGenerator:
                     eos_token_ids=frozenset(eos),
                     want_scores=bool(gc.output_scores and gc.return_dict_in_generate),
                     want_logits=bool(gc.output_logits and gc.return_dict_in_generate),
-                    extra_penalty_tokens=tuple(set(padded_row) - set(prompt)),
+                    extra_penalty_tokens=tuple(set(padded_row) - set(prompt)) if penalize_padding else (),
                 )
                 row_of = _row_view(padded_row)
-                if slow:
-                    req.logits_hook = _processor_hook(processors, row_of, device)
+                if slow:  # processors built for this row alone (some hold per-row state such as padding lengths)
+                    row_processors = processors if batch == 1 else build_processors(input_ids[b : b + 1],
+                                                                                    attention_mask[b : b + 1])
+                    req.logits_hook = _processor_hook(row_processors, row_of, device)
                 if criteria or deadline is not None:
                     req.stop_check = _stop_hook(criteria, row_of, deadline)
                 requests.append(req)

@@ -78,8 +78,8 @@ class AttentionBackend:
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: StepMetadata) -> None:
         """Write this step's K/V rows `[T, Hkv, D]` into the paged cache at `meta.slot_mapping` (skipping -1)."""
-        n = key.shape[0]
-        slots = meta.slot_mapping[:n].clamp(min=0)  # -1 (padding) lands in the null block 0, which nobody reads
+        # -1 (padding) lands in the null block 0, which nobody reads
+        slots = meta.slot_mapping[: key.shape[0]].clamp(min=0)
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 

@@ -11,7 +11,8 @@ import torch
 
 from hf_accel.attention.context import get_forward_context
 
-ATTN_IMPLEMENTATION_NAME = "hf_accel"  # registered in AttentionInterface; no "flash"/"paged" (transformers special-cases those)
+# registered in AttentionInterface; no "flash"/"paged" in it (transformers special-cases those names)
+ATTN_IMPLEMENTATION_NAME = "hf_accel"
 
 
 @torch.library.custom_op("hf_accel::attention", mutates_args=("output",))
@@ -21,8 +22,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, outpu
     ctx = get_forward_context()
     meta = ctx.metadata
     k_cache, v_cache = ctx.kv_caches[layer_idx]
-    n = meta.num_tokens
-    ctx.backend.write_kv(key[:n], value[:n], k_cache, v_cache, meta)
+    # all rows, padded ones included: their slot is -1 (skipped), and no token count is frozen into a CUDA graph
+    ctx.backend.write_kv(key, value, k_cache, v_cache, meta)
     ctx.backend.forward(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap)
 
 

@@ -1,7 +1,15 @@
 """Backend registry: name -> backend class, availability reasons, and the "auto" choice.
 
-Backend modules are imported lazily: an optional library that is missing makes its backend unavailable with a
-reason, never an ImportError for the whole package.
+Backend modules are imported lazily, and a backend module imports its optional library (flashinfer, flash_attn)
+only inside functions: a missing library makes its backend unavailable with a reason, never an ImportError for
+the whole package.
+
+The "auto" rule (`select_backend("auto", ...)`, the static choice):
+- on CUDA, the first backend that can run this model here, in the order flashinfer > flash_attn > triton > torch
+  (fastest paged kernels first; torch is the always-works yardstick);
+- on any other device, torch (the only backend that runs off CUDA).
+`auto_candidates()` returns every backend that can run, in that order; `hf_accel.attention.autotune` can then time
+them on the real shapes of the model and pick the fastest.
 """
 
 from __future__ import annotations
@@ -21,8 +29,20 @@ BACKEND_MODULES: dict[str, tuple[str, str]] = {
 }
 BACKEND_NAMES = tuple(BACKEND_MODULES)
 
-# "auto" preference on CUDA, fastest first (see select_backend); on CPU only "torch" can run.
+# "auto" preference on CUDA, fastest first (see the module docstring); off CUDA only "torch" can run.
 AUTO_PREFERENCE_CUDA = ("flashinfer", "flash_attn", "triton", "torch")
+AUTO_PREFERENCE_OTHER = ("torch",)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, or None when it cannot be queried (no GPU, CPU-only torch)."""
+    if device.type != "cuda":
+        return None
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+    except Exception:
+        return None
+    return int(major), int(minor)
 
 
 def load_backend_class(name: str) -> tuple[type[AttentionBackend] | None, str | None]:
@@ -38,6 +58,7 @@ def load_backend_class(name: str) -> tuple[type[AttentionBackend] | None, str | 
 
 
 def backend_reasons(name: str, spec: AttentionSpec | None, device: torch.device) -> list[str]:
+    """Why backend `name` cannot run this model on `device`; empty when it can."""
     cls, err = load_backend_class(name)
     if cls is None:
         return [err or f"{name} unavailable"]
@@ -53,16 +74,27 @@ def available_backends_for(spec: AttentionSpec | None, device: torch.device) -> 
     return result
 
 
+def auto_candidates(spec: AttentionSpec, device: torch.device) -> list[type[AttentionBackend]]:
+    """The backends that can run this model here, in "auto" preference order (the input of autotuning)."""
+    order = AUTO_PREFERENCE_CUDA if device.type == "cuda" else AUTO_PREFERENCE_OTHER
+    candidates = []
+    for name in order:
+        if not backend_reasons(name, spec, device):
+            cls, _ = load_backend_class(name)
+            assert cls is not None
+            candidates.append(cls)
+    return candidates
+
+
 def select_backend(name: str, spec: AttentionSpec, device: torch.device) -> type[AttentionBackend]:
     """Resolve `attention_backend` to a class. A named backend that cannot run raises with its reasons."""
     if name == "auto":
-        order = AUTO_PREFERENCE_CUDA if device.type == "cuda" else ("torch",)
-        for candidate in order:
-            if not backend_reasons(candidate, spec, device):
-                cls, _ = load_backend_class(candidate)
-                assert cls is not None
-                return cls
-        raise RuntimeError(f"no attention backend can run this model here: {available_backends_for(spec, device)}")
+        candidates = auto_candidates(spec, device)
+        if not candidates:
+            raise RuntimeError(
+                f"no attention backend can run this model here: {available_backends_for(spec, device)}"
+            )
+        return candidates[0]
     reasons = backend_reasons(name, spec, device)
     if reasons:
         raise ValueError(f"attention_backend={name!r} cannot run here: " + "; ".join(reasons))

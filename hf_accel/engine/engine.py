@@ -81,6 +81,14 @@ class LLMEngine:
                                   self.max_num_tokens, self.max_blocks_per_seq)
         self.sampler = Sampler()
         self.stats.timings["kv_cache_s"] = time.perf_counter() - t0
+        self.compile_info: dict = {}
+        if cfg.compile or cfg.cudagraph_mode.value != "none":
+            self.compile_info = self.runner.enable_compilation(
+                cfg.cudagraph_mode, list(cfg.cudagraph_capture_sizes or []), bool(cfg.compile),
+                cfg.compile_cache_dir, model.config, spec.dtype)
+            logger.info("hf_accel: compile %.1f s, graph capture %.1f s, graph pool %.2f GiB (mode %s)",
+                        self.compile_info["compile_s"], self.compile_info["capture_s"],
+                        self.compile_info["graph_pool_bytes"] / 2**30, self.compile_info.get("cudagraph_mode"))
         logger.info("hf_accel: %s attention, %d KV blocks of %d tokens (%.2f GiB)", backend_cls.name, num_blocks,
                     self.block_size, self.kv_cache_bytes / 2**30)
         self._next_id = 0

@@ -10,7 +10,6 @@ the family's own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,8 +61,11 @@ class ModelRunner:
         self.context_lens = torch.zeros(max_num_seqs, dtype=i32, device=dev)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=i32, device=dev)
         self.logits_indices = torch.zeros(max_num_seqs, dtype=i64, device=dev)
-        # graph dispatch hook, installed by the compilation layer: (inputs, meta) -> logits or None (run eagerly)
-        self.graph_forward: Callable[[StepInputs, StepMetadata], torch.Tensor | None] | None = None
+        # compiled forward and CUDA graphs, set up by enable_compilation() at warm-up
+        self.dispatcher = None
+        self.piecewise = None
+        self.full_graphs = None
+        self.decode_logits_indices = torch.arange(max_num_tokens, dtype=i64, device=dev)  # FULL graphs read this
 
     # -- packing -----------------------------------------------------------------------------------------------
     def pack(self, step: ScheduledStep) -> StepInputs:
@@ -157,7 +159,8 @@ class ModelRunner:
         return StepMetadata(
             num_tokens=t, num_seqs=b, max_query_len=inp.max_query_len, max_seq_len=inp.max_seq_len,
             block_size=self.block_size, query_start_loc=self.query_start_loc[: bp + 1], seq_lens=self.seq_lens[:bp],
-            context_lens=self.context_lens[:bp], block_tables=self.block_tables[:bp], slot_mapping=self.slot_mapping[:tp],
+            context_lens=self.context_lens[:bp], block_tables=self.block_tables[:bp],
+            slot_mapping=self.slot_mapping[:tp],
             query_lens_cpu=np.diff(inp.query_start_loc).tolist(), seq_lens_cpu=inp.seq_lens.tolist(),
         )
 
@@ -172,13 +175,124 @@ class ModelRunner:
     def context(self, meta: StepMetadata) -> ForwardContext:
         return ForwardContext(metadata=meta, backend=self.backend, kv_caches=self.kv_caches)
 
+    def forward_2d(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   logits_indices: torch.Tensor) -> torch.Tensor:
+        """The function the compiler traces: `[1, T]` inputs -> logits `[1, N, V]`."""
+        return self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logits_indices,
+                          use_cache=False).logits
+
+    # -- compilation and CUDA graphs ----------------------------------------------------------------------------
+    def dummy_inputs(self, query_lens: list[int]) -> StepInputs:
+        """A step of fake sequences that write nothing (slots -1) and read only the null block."""
+        qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        t = int(qsl[-1])
+        width = -(-max(query_lens) // self.block_size)
+        return StepInputs(
+            input_ids=np.zeros(t, dtype=np.int64),
+            positions=np.concatenate([np.arange(n) for n in query_lens]).astype(np.int64),
+            slot_mapping=np.full(t, -1, dtype=np.int64), query_start_loc=qsl,
+            seq_lens=np.asarray(query_lens, dtype=np.int32), block_tables=np.zeros((len(query_lens), width), np.int32),
+            logits_indices=(qsl[1:] - 1).astype(np.int64), sampled=[], max_query_len=max(query_lens),
+            max_seq_len=max(query_lens))
+
+    @torch.inference_mode()
+    def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
+                           model_config, dtype: torch.dtype) -> dict:
+        """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings."""
+        import time
+
+        from hf_accel.compilation.cache import setup_compile_cache
+        from hf_accel.compilation.cuda_graph import FullCUDAGraphRunner
+        from hf_accel.compilation.dispatcher import CUDAGraphDispatcher
+        from hf_accel.compilation.piecewise import compile_piecewise
+
+        info: dict = {"compile_s": 0.0, "capture_s": 0.0, "graph_pool_bytes": 0, "compile_cache": None}
+        on_cuda = self.device.type == "cuda"
+        sizes = [s for s in capture_sizes if s <= self.max_num_tokens]
+        self.dispatcher = CUDAGraphDispatcher(mode, sizes, self.backend.cudagraph_support,
+                                              piecewise_available=compile,
+                                              full_capture_sizes=[s for s in sizes if s <= self.max_num_seqs],
+                                              backend_name=self.backend.name)
+        info["cudagraph_mode"] = self.dispatcher.mode.value
+        pool = torch.cuda.graph_pool_handle() if on_cuda and self.dispatcher.mode.value != "none" else None
+        if hasattr(self.backend, "set_cudagraph_batch_sizes"):
+            self.backend.set_cudagraph_batch_sizes(self.dispatcher.full_sizes)
+        before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
+        if compile:
+            t0 = time.perf_counter()
+            cache = setup_compile_cache(cache_dir, model_config, dtype, sizes,
+                                        extra={"device": str(self.device), "backend": self.backend.name})
+            info["compile_cache"] = {"dir": str(cache.path) if cache.path else None, "warm": cache.warm}
+            self.piecewise = compile_piecewise(self.forward_2d, capture_sizes=self.dispatcher.piecewise_sizes,
+                                               use_cudagraph=on_cuda and bool(self.dispatcher.piecewise_sizes),
+                                               graph_pool=pool)
+            meta = self.upload(self.dummy_inputs([15, 1]))
+            self.backend.prepare(meta)
+            with forward_context(self.context(meta)):
+                self.piecewise.compile(self.input_ids[:16][None], self.positions[:16][None], self.logits_indices[:2])
+            info["compile_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+
+            def run_piece(t: int):
+                meta = self.upload(self.dummy_inputs([t]))
+                self.backend.prepare(meta)
+                with forward_context(self.context(meta)):
+                    return self.piecewise(self.input_ids[:t][None], self.positions[:t][None], self.logits_indices[:1])
+
+            if on_cuda:
+                self.piecewise.capture(self.dispatcher.piecewise_sizes, run_piece)
+            info["capture_s"] += time.perf_counter() - t0
+        keys = self.dispatcher.full_capture_keys() if on_cuda else []
+        if keys:
+            t0 = time.perf_counter()
+            self.full_graphs = FullCUDAGraphRunner(pool)
+            metas: dict = {}
+
+            def prepare_full(key):
+                b = key.num_tokens
+                metas[key] = meta = self.upload(self.dummy_inputs([1] * b), b, b)
+                self.backend.prepare(meta)
+
+            def run_full(key):
+                b = key.num_tokens
+                with forward_context(self.context(metas[key])):
+                    if self.piecewise is not None:
+                        with self.piecewise.graphs_disabled():
+                            return self.piecewise(self.input_ids[:b][None], self.positions[:b][None],
+                                                  self.decode_logits_indices[:b])
+                    return self.forward_2d(self.input_ids[:b][None], self.positions[:b][None],
+                                           self.decode_logits_indices[:b])
+
+            self.full_graphs.capture(keys, run_full, prepare_fn=prepare_full, sort_key=lambda k: k.num_tokens)
+            info["capture_s"] += time.perf_counter() - t0
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            info["graph_pool_bytes"] = max(0, torch.cuda.memory_reserved(self.device) - before)
+        return info
+
+    def _compiled_forward(self, inp: StepInputs) -> torch.Tensor | None:
+        """Dispatch FULL / PIECEWISE / NONE; None when nothing is compiled or captured (plain eager)."""
+        if self.dispatcher is None:
+            return None
+        t, n = len(inp.input_ids), len(inp.logits_indices)
+        d = self.dispatcher.dispatch(t, inp.max_query_len == 1)
+        if d.mode.value == "full" and self.full_graphs is not None and d.key in self.full_graphs:
+            meta = self.upload(inp, d.num_tokens, d.num_tokens)
+            self.backend.prepare(meta)
+            return self.full_graphs.replay(d.key)[0, :n]
+        if self.piecewise is None:
+            return None
+        tp = d.num_tokens if d.mode.value == "piecewise" else t
+        meta = self.upload(inp, tp)
+        self.backend.prepare(meta)
+        with forward_context(self.context(meta)):
+            return self.piecewise(self.input_ids[:tp][None], self.positions[:tp][None], self.logits_indices[:n])[0]
+
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Request]]:
         """Run one step; returns float32 logits `[N, V]` for the requests that sample, and those requests."""
         inp = self.pack(step)
-        logits = None
-        if self.graph_forward is not None:
-            logits = self.graph_forward(inp)
+        logits = self._compiled_forward(inp)
         if logits is None:
             meta = self.upload(inp)
             self.backend.prepare(meta)

@@ -1,0 +1,355 @@
+"""Attention kernel benchmark: hf_accel's Triton kernels beside flashinfer and flash-attn 4 (CUDA only).
+
+Shapes follow qwen3-0.6b / llama-style GQA: bf16, 16 query heads / 8 KV heads, head_dim 128, paged KV with block
+size 16 in the NHD layout every backend shares. Cases:
+- decode: 1, 8, 64, 256 sequences at contexts 512, 4k, 32k; time and achieved bandwidth (KV bytes read + q + out)
+- prefill: one sequence of 1k, 2k, 4k, 8k tokens, causal; TFLOP/s (4 * H * D * causal pairs)
+
+Each call is captured `--reps` times in one CUDA graph (so host launch overhead is out of the figure) and the
+graph is replayed `--samples` times, timed with CUDA events; the median per call is reported. Small decode cases
+fit in the 50 MB L2 and show more than HBM bandwidth (marked "L2"). Libraries that are not importable are skipped
+with a note. `--sweep` also times a few Triton tile shapes on representative cases (for tuning the defaults).
+
+    python examples/bench_attention_kernels.py [--json out.json] [--sweep] [--only triton]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hf_accel.attention.backend import AttentionSpec
+from hf_accel.attention.metadata import StepMetadata
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+DTYPE = torch.bfloat16
+DECODE_BATCHES = (1, 8, 64, 256)
+DECODE_CONTEXTS = (512, 4096, 32768)
+PREFILL_TOKENS = (1024, 2048, 4096, 8192)
+L2_BYTES = 50 * 2**20
+DEVICE = "cuda"
+
+
+@dataclass
+class Case:
+    kind: str  # "decode" | "prefill"
+    batch: int
+    ctx: int  # KV length per sequence (decode) / prompt length (prefill)
+    query: torch.Tensor  # [T, H, D]
+    meta: StepMetadata
+    bytes_moved: int
+    flops: int
+
+
+def make_case(kind: str, batch: int, ctx: int, num_blocks: int, gen: torch.Generator) -> Case:
+    dev = torch.device(DEVICE)
+    q_len = 1 if kind == "decode" else ctx
+    blocks_per_seq = -(-ctx // BLOCK_SIZE)
+    perm = torch.randperm(num_blocks - 1, generator=gen, device="cpu")[: batch * blocks_per_seq] + 1
+    tables = perm.view(batch, blocks_per_seq).to(torch.int32).to(dev)
+    t = batch * q_len
+    meta = StepMetadata(
+        num_tokens=t, num_seqs=batch, max_query_len=q_len, max_seq_len=ctx, block_size=BLOCK_SIZE,
+        query_start_loc=torch.arange(0, t + 1, q_len, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
+        context_lens=torch.full((batch,), ctx - q_len, dtype=torch.int32, device=dev),
+        block_tables=tables, slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
+        query_lens_cpu=[q_len] * batch, seq_lens_cpu=[ctx] * batch,
+    )
+    query = torch.randn(t, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+    elem = query.element_size()
+    kv_bytes = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2 * elem
+    io_bytes = 2 * t * NUM_HEADS * HEAD_DIM * elem
+    pairs = batch * (q_len * ctx - q_len * (q_len - 1) // 2)  # causal (query, key) pairs
+    return Case(kind, batch, ctx, query, meta, kv_bytes + io_bytes, 4 * pairs * NUM_HEADS * HEAD_DIM)
+
+
+def time_call(fn: Callable[[], object], reps: int, samples: int) -> tuple[float, str]:
+    """Median seconds per call: `reps` calls captured in one CUDA graph, replayed `samples` times.
+
+    Falls back to an eager loop (host overhead included, marked) if the call cannot be captured.
+    """
+    fn()
+    torch.cuda.synchronize()
+    graph, how = None, "graph"
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+    except Exception:
+        graph, how = None, "eager"
+        torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(samples):
+        start.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(reps):
+                fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(times), how
+
+
+# -- implementations: each returns a zero-argument callable that writes into `out` ------------------------------
+
+
+def triton_impl(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, max_blocks: int,
+                force_splits: int | None = None, unified_config=None, decode_config=None) -> Callable[[], None]:
+    from hf_accel.attention.triton_backend import TritonAttentionBackend
+
+    spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE)
+    be = TritonAttentionBackend(spec, torch.device(DEVICE), BLOCK_SIZE, 256, 8192, max_blocks,
+                                num_kv_splits=force_splits)
+    be.unified_config, be.decode_config = unified_config, decode_config
+    be.prepare(case.meta)
+    scale = HEAD_DIM**-0.5
+    return lambda: be.forward(case.query, k_cache, v_cache, case.meta, out, scale, 0, 0.0)
+
+
+def triton_path(case: Case, max_blocks: int) -> str:
+    from hf_accel.attention.triton_backend import TritonAttentionBackend
+
+    spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE)
+    be = TritonAttentionBackend(spec, torch.device(DEVICE), BLOCK_SIZE, 256, 8192, max_blocks)
+    splits = be.splits_for_step(case.meta)
+    return f"split{splits}" if splits > 1 else "unified"
+
+
+_workspace: torch.Tensor | None = None
+
+
+def flashinfer_impl(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor) -> Callable[[], None]:
+    import flashinfer
+
+    global _workspace
+    if _workspace is None:
+        _workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEVICE)
+    m = case.meta
+    pages = m.block_tables.shape[1]
+    kv_indptr = torch.arange(0, (m.num_seqs + 1) * pages, pages, dtype=torch.int32, device=DEVICE)
+    kv_indices = m.block_tables.reshape(-1).contiguous()
+    last_page_len = torch.full((m.num_seqs,), (case.ctx - 1) % BLOCK_SIZE + 1, dtype=torch.int32, device=DEVICE)
+    opts = dict(pos_encoding_mode="NONE", q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=HEAD_DIM**-0.5)
+    if case.kind == "decode":
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace, "NHD")
+        wrapper.plan(kv_indptr, kv_indices, last_page_len, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, **opts)
+    else:
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace, "NHD")
+        wrapper.plan(m.query_start_loc, kv_indptr, kv_indices, last_page_len, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                     BLOCK_SIZE, causal=True, **opts)
+    return lambda: wrapper.run(case.query, (k_cache, v_cache), out=out)
+
+
+def fa4_impl(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    m = case.meta
+
+    def call() -> None:
+        res = flash_attn_varlen_func(
+            case.query, k_cache, v_cache, cu_seqlens_q=m.query_start_loc, max_seqlen_q=m.max_query_len,
+            seqused_k=m.seq_lens, page_table=m.block_tables, softmax_scale=HEAD_DIM**-0.5, causal=True,
+        )
+        out.copy_(res[0] if isinstance(res, tuple) else res)  # FA4 returns (out, lse); the copy is ~q-sized
+
+    return call
+
+
+LIBRARIES: dict[str, Callable[..., Callable[[], None]]] = {"flashinfer": flashinfer_impl, "fa4": fa4_impl}
+
+
+def library_available(name: str) -> str | None:
+    """None if importable, else why not."""
+    try:
+        if name == "flashinfer":
+            import flashinfer  # noqa: F401
+        elif name == "fa4":
+            from flash_attn.cute import flash_attn_varlen_func  # noqa: F401
+    except Exception as exc:
+        return f"{exc.__class__.__name__}: {exc}"
+    return None
+
+
+# -- main --------------------------------------------------------------------------------------------------------
+
+
+def fmt_row(r: dict) -> str:
+    if r["kind"] == "decode":
+        perf = f"{r['gbps']:8.0f} GB/s"
+    else:
+        perf = f"{r['tflops']:8.1f} TF/s"
+    diff = "" if r.get("max_abs_diff") is None else f"  diff {r['max_abs_diff']:.1e}"
+    note = f"  [{r['note']}]" if r.get("note") else ""
+    return (f"{r['kind']:8s} {r['batch']:4d} x {r['ctx']:6d}  {r['impl']:18s} {r['us']:10.1f} us  {perf}"
+            f"{diff}{note}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write all results to this path")
+    ap.add_argument("--reps", type=int, default=10, help="calls captured per graph")
+    ap.add_argument("--samples", type=int, default=7, help="graph replays timed (median reported)")
+    ap.add_argument("--only", nargs="*", help="implementations to run (triton, triton-unified, flashinfer, fa4)")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative Triton tile shapes")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_attention_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    t_start = time.time()
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+
+    wanted = set(args.only or ["triton", "triton-unified", "flashinfer", "fa4"])
+    libs = {}
+    for name in LIBRARIES:
+        if name in wanted:
+            why = library_available(name)
+            if why:
+                print(f"note: {name} skipped ({why})")
+            else:
+                libs[name] = LIBRARIES[name]
+
+    max_blocks = -(-max(max(DECODE_CONTEXTS), max(PREFILL_TOKENS)) // BLOCK_SIZE)
+    num_blocks = max(DECODE_BATCHES) * max_blocks + 1  # block 0 stays the null block
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_()
+    v_cache = torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_()
+    print(f"device: {torch.cuda.get_device_name()}  KV cache {2 * k_cache.numel() * 2 / 2**30:.1f} GiB  "
+          f"{DTYPE} H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}")
+
+    cases = [("decode", b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
+    cases += [("prefill", 1, n) for n in PREFILL_TOKENS]
+    rows: list[dict] = []
+    for kind, batch, ctx in cases:
+        case = make_case(kind, batch, ctx, num_blocks, gen)
+        rows += run_case(case, k_cache, v_cache, max_blocks, wanted, libs, args)
+
+    if args.sweep:
+        rows += sweep(k_cache, v_cache, num_blocks, max_blocks, gen, args)
+
+    print(f"\ntotal {time.time() - t_start:.0f} s")
+    print(summary_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def run_case(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor, max_blocks: int, wanted: set[str],
+             libs: dict[str, Callable[..., Callable[[], None]]], args: argparse.Namespace) -> list[dict]:
+    """Time every implementation on one case; outputs are compared with triton's (max |diff|)."""
+    label = f"{case.kind} {case.batch}x{case.ctx}"
+    makers: list[tuple[str, Callable[[torch.Tensor], Callable[[], None]], str]] = []
+    path = triton_path(case, max_blocks)
+    if "triton" in wanted:
+        makers.append(("triton", lambda o: triton_impl(case, k_cache, v_cache, o, max_blocks), path))
+    if "triton-unified" in wanted and path != "unified":
+        makers.append(("triton-unified",
+                       lambda o: triton_impl(case, k_cache, v_cache, o, max_blocks, force_splits=1), ""))
+    for name, make in libs.items():
+        makers.append((name, lambda o, make=make: make(case, k_cache, v_cache, o), ""))
+
+    rows: list[dict] = []
+    ref_out = None
+    for name, make, note in makers:
+        out = torch.zeros_like(case.query)
+        try:
+            fn = make(out)
+            secs, how = time_call(fn, args.reps, args.samples)
+        except Exception as exc:  # a library that cannot run this case: say so, keep going
+            print(f"note: {name} failed on {label}: {exc.__class__.__name__}: {exc}")
+            continue
+        if name == "triton":
+            ref_out = out
+        diff = None if ref_out is None or out is ref_out else (out.float() - ref_out.float()).abs().max().item()
+        small = case.kind == "decode" and case.bytes_moved < L2_BYTES
+        notes = [n for n in (note, "" if how == "graph" else how, "L2" if small else "") if n]
+        row = dict(kind=case.kind, batch=case.batch, ctx=case.ctx, impl=name, us=secs * 1e6,
+                   gbps=case.bytes_moved / secs / 1e9, tflops=case.flops / secs / 1e12, max_abs_diff=diff,
+                   note=",".join(notes), timing=how)
+        rows.append(row)
+        print(fmt_row(row), flush=True)
+    return rows
+
+
+def sweep(k_cache: torch.Tensor, v_cache: torch.Tensor, num_blocks: int, max_blocks: int, gen: torch.Generator,
+          args: argparse.Namespace) -> list[dict]:
+    """Time alternative tile shapes on a few representative cases (not the defaults' full matrix)."""
+    from hf_accel.attention.kernels.common import TileConfig
+
+    rows = []
+    print("\nsweep (block_m, block_n, num_warps, num_stages):")
+    prefill_cfgs = [TileConfig(128, 64, 8, 2), TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2),
+                    TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3)]
+    decode_cfgs = [TileConfig(16, 64, 4, 3), TileConfig(16, 64, 4, 2), TileConfig(16, 128, 4, 2),
+                   TileConfig(16, 128, 8, 3), TileConfig(16, 32, 4, 4), TileConfig(16, 64, 2, 3)]
+    long_ctx, mid_ctx = max(DECODE_CONTEXTS), sorted(DECODE_CONTEXTS)[len(DECODE_CONTEXTS) // 2]
+    plans = [("prefill", 1, sorted(PREFILL_TOKENS)[len(PREFILL_TOKENS) // 2], None, prefill_cfgs),
+             ("decode", max(DECODE_BATCHES), mid_ctx, 1, decode_cfgs),  # unified kernel, decode tiles
+             ("decode", sorted(DECODE_BATCHES)[1], long_ctx, None, decode_cfgs),  # split-KV
+             ("decode", min(DECODE_BATCHES), long_ctx, None, decode_cfgs)]
+    for kind, batch, ctx, force, cfgs in plans:
+        case = make_case(kind, batch, ctx, num_blocks, gen)
+        for cfg in cfgs:
+            out = torch.zeros_like(case.query)
+            split = kind == "decode" and force is None
+            fn = triton_impl(case, k_cache, v_cache, out, max_blocks, force_splits=force,
+                             unified_config=None if split else cfg, decode_config=cfg if split else None)
+            try:
+                secs, how = time_call(fn, args.reps, args.samples)
+            except Exception as exc:  # e.g. out of shared memory for this shape
+                print(f"  {kind} {batch}x{ctx} {cfg}: failed ({exc.__class__.__name__})")
+                continue
+            name = f"sweep{'-split' if split else ''}"
+            row = dict(kind=kind, batch=batch, ctx=ctx, impl=name, us=secs * 1e6, gbps=case.bytes_moved / secs / 1e9,
+                       tflops=case.flops / secs / 1e12, note=str(tuple(cfg.__dict__.values())), timing=how)
+            rows.append(row)
+            print("  " + fmt_row(row), flush=True)
+    return rows
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Cases down, implementations across: us (and GB/s or TF/s)."""
+    impls = [i for i in ("triton", "triton-unified", "flashinfer", "fa4") if any(r["impl"] == i for r in rows)]
+    keys = []
+    for r in rows:
+        k = (r["kind"], r["batch"], r["ctx"])
+        if r["impl"] in impls and k not in keys:
+            keys.append(k)
+    head = f"{'case':22s}" + "".join(f"{i:>26s}" for i in impls)
+    lines = [head, "-" * len(head)]
+    for k in keys:
+        cells = []
+        for i in impls:
+            r = next((r for r in rows if (r["kind"], r["batch"], r["ctx"]) == k and r["impl"] == i), None)
+            if r is None:
+                cells.append(f"{'-':>26s}")
+            elif k[0] == "decode":
+                cells.append(f"{r['us']:9.1f} us {r['gbps']:6.0f} GB/s")
+            else:
+                cells.append(f"{r['us']:9.1f} us {r['tflops']:6.1f} TF/s")
+        lines.append(f"{k[0]:8s}{k[1]:4d} x{k[2]:7d}  " + "".join(f"{c:>26s}" for c in cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Pick the fastest attention backend for this model on this GPU by timing it on synthetic steps.
+
+The static "auto" order (registry.py) is a good guess, but which kernel wins depends on head dim, GQA group size,
+window/softcap and GPU. So at warm-up we time each valid candidate's `prepare` + `forward` on one decode step
+and one prefill step shaped like the model's, within a small time budget, and keep the fastest. Decode counts
+more (`decode_weight`): a generation runs one decode step per new token but prefills each prompt once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import statistics
+import time
+
+import torch
+
+from hf_accel.attention.backend import AttentionBackend, AttentionSpec
+from hf_accel.attention.metadata import StepMetadata
+
+logger = logging.getLogger(__name__)
+
+MIN_SAMPLES = 3  # timed samples per shape even when the budget is spent (first-call compiles can eat it)
+MAX_SAMPLES = 50
+WARMUP_CALLS = 2  # after the first call, which may JIT-compile
+
+
+def synthetic_step_metadata(seqs: list[tuple[int, int]], block_size: int, device: torch.device, *,
+                            pad_rows_to: int | None = None,
+                            generator: torch.Generator | None = None) -> tuple[StepMetadata, int]:
+    """Step metadata for sequences given as (context_len, query_len), with blocks scattered over the cache.
+
+    Returns the metadata and the number of cache blocks it needs (block 0 stays the null block).
+    `pad_rows_to` adds rows the way the runner pads a uniform decode batch for a CUDA graph: one token each,
+    slot -1, seq_len 0, block-table row of zeros; the tensors then have `pad_rows_to` rows.
+    """
+    n = len(seqs)
+    rows = max(n, pad_rows_to or 0)
+    query_lens = [q for _, q in seqs]
+    seq_lens = [c + q for c, q in seqs]
+    pages = [-(-s // block_size) for s in seq_lens]
+    width = max(pages)
+    blocks = torch.randperm(sum(pages), generator=generator) + 1
+    table = [[0] * width for _ in range(rows)]
+    starts = [0, *itertools.accumulate(pages)]
+    for i, p in enumerate(pages):
+        table[i][:p] = blocks[starts[i] : starts[i] + p].tolist()
+    slots = [
+        table[i][pos // block_size] * block_size + pos % block_size
+        for i, (context, q) in enumerate(seqs)
+        for pos in range(context, context + q)
+    ]
+    slots += [-1] * (rows - n)
+    query_start_loc = [0, *itertools.accumulate(query_lens + [1] * (rows - n))]
+    meta = StepMetadata(
+        num_tokens=sum(query_lens),
+        num_seqs=n,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens + [0] * (rows - n), dtype=torch.int32, device=device),
+        context_lens=torch.tensor([c for c, _ in seqs] + [0] * (rows - n), dtype=torch.int32, device=device),
+        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return meta, 1 + sum(pages)
+
+
+def _time_shape(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetadata, caches: tuple, *,
+                num_layers: int, budget_s: float) -> float:
+    """Median milliseconds of one step (prepare + num_layers forwards) of this shape."""
+    device = backend.device
+    rows = meta.slot_mapping.shape[0]
+    query = torch.randn(rows, spec.num_heads, spec.head_dim, device=device, dtype=spec.dtype)
+    output = torch.empty_like(query)
+    scale = spec.head_dim**-0.5
+    softcap = 50.0 if spec.uses_softcap else 0.0
+
+    def step() -> None:
+        backend.prepare(meta)
+        for _ in range(num_layers):
+            backend.forward(query, caches[0], caches[1], meta, output, scale, 0, softcap)
+
+    step()  # may compile; raises for a candidate that cannot run this shape
+    for _ in range(WARMUP_CALLS):
+        step()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < MIN_SAMPLES or (len(samples) < MAX_SAMPLES and time.perf_counter() < deadline):
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: torch.device, block_size_hint: int,
+                    decode_seqs: list[tuple[int, int]], prefill_seqs: list[tuple[int, int]], *, num_layers: int,
+                    budget_s: float) -> dict[str, float]:
+    block_size = block_size_hint if block_size_hint in cls.supported_block_sizes else cls.supported_block_sizes[0]
+    generator = torch.Generator().manual_seed(0)
+    decode_meta, decode_blocks = synthetic_step_metadata(decode_seqs, block_size, device, generator=generator)
+    prefill_meta, prefill_blocks = synthetic_step_metadata(prefill_seqs, block_size, device, generator=generator)
+    num_blocks = max(decode_blocks, prefill_blocks)
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    caches = (torch.randn(shape, device=device, dtype=spec.dtype), torch.randn(shape, device=device, dtype=spec.dtype))
+    max_blocks_per_seq = max(decode_meta.block_tables.shape[1], prefill_meta.block_tables.shape[1])
+    backend = cls(spec, device, block_size, max_num_seqs=max(len(decode_seqs), len(prefill_seqs)),
+                  max_num_tokens=max(decode_meta.num_tokens, prefill_meta.num_tokens),
+                  max_blocks_per_seq=max_blocks_per_seq)
+    decode_ms = _time_shape(backend, spec, decode_meta, caches, num_layers=num_layers, budget_s=budget_s / 2)
+    prefill_ms = _time_shape(backend, spec, prefill_meta, caches, num_layers=num_layers, budget_s=budget_s / 2)
+    return {"decode_ms": decode_ms, "prefill_ms": prefill_ms, "block_size": float(block_size)}
+
+
+def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionSpec, device: torch.device,
+                      block_size_hint: int, num_decode_seqs: int = 32, decode_context: int = 1024,
+                      prefill_tokens: int = 2048, time_budget_s: float = 2.0, *, num_layers: int = 1,
+                      decode_weight: float = 4.0, prefill_seq_len: int = 1024,
+                      ) -> tuple[type[AttentionBackend], dict[str, dict[str, float | str]]]:
+    """Time each candidate on a decode and a prefill step of this model's attention shape; return the fastest.
+
+    Candidates come in preference order (registry.auto_candidates); off CUDA, or with one candidate, the first is
+    returned untimed. Each candidate runs at its own preferred block size unless it supports `block_size_hint`.
+    Timings per backend name: {"decode_ms", "prefill_ms", "score"} (score = decode_weight * decode + prefill), or
+    {"error": "..."} for a candidate that cannot run here or raised on its first call (it is dropped).
+    `num_layers` forwards per prepare() weigh the per-step planning cost as a real model would.
+    """
+    if not candidates:
+        raise ValueError("autotune_backends needs at least one candidate")
+    if device.type != "cuda" or len(candidates) == 1:
+        return candidates[0], {}
+    decode_seqs = [(decode_context - 1, 1)] * num_decode_seqs
+    prefill_seqs = []
+    remaining = prefill_tokens
+    while remaining > 0:
+        prefill_seqs.append((0, min(prefill_seq_len, remaining)))
+        remaining -= prefill_seq_len
+
+    timings: dict[str, dict[str, float | str]] = {}
+    per_candidate_s = time_budget_s / len(candidates)
+    with torch.inference_mode():
+        for cls in candidates:
+            reasons = cls.unavailable_reasons(spec, device)
+            if reasons:
+                timings[cls.name] = {"error": "; ".join(reasons)}
+                continue
+            try:
+                result = _time_candidate(cls, spec, device, block_size_hint, decode_seqs, prefill_seqs,
+                                         num_layers=num_layers, budget_s=per_candidate_s)
+            except Exception as exc:  # a backend that cannot run this model is dropped, never fatal
+                logger.warning("attention autotune: %s failed: %s: %s", cls.name, type(exc).__name__, exc)
+                timings[cls.name] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            result["score"] = decode_weight * result["decode_ms"] + result["prefill_ms"]
+            timings[cls.name] = dict(result)
+    torch.cuda.empty_cache()  # the synthetic caches and workspaces go back before the engine sizes its KV cache
+
+    timed = [cls for cls in candidates if "score" in timings.get(cls.name, {})]
+    if not timed:
+        raise RuntimeError(f"attention autotune: no candidate could run: {timings}")
+    best = min(timed, key=lambda cls: timings[cls.name]["score"])
+    return best, timings

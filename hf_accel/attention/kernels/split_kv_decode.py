@@ -1,0 +1,188 @@
+"""Split-KV ("flash-decoding") attention for uniform decode steps (one query token per sequence).
+
+A small decode batch gives the unified kernel only `num_seqs * num_kv_heads` programs, far fewer than the GPU has
+SMs, each streaming a whole (possibly 32k-token) KV history. Here every sequence's KV range is cut into
+`num_splits` pieces handled by separate programs, each writing a normalised partial output and its log-sum-exp to
+preallocated scratch; a second kernel merges the pieces. `num_splits` is a launch constant picked from the batch
+shape (never from this step's lengths), and each program derives its key range from `seq_lens` on the device, so
+a captured CUDA graph stays valid for any lengths; splits that get no keys write an empty partial (lse = -inf).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_accel.attention.kernels.common import TileConfig, attend_tile, dot_precision, find_seq
+
+MAX_SPLITS = 64
+# Split only while the plain grid would leave the GPU under-filled, and aim for about this many programs per SM.
+SPLIT_BELOW_PROGRAMS_PER_SM = 2
+TARGET_PROGRAMS_PER_SM = 4
+
+
+@triton.jit(do_not_specialize=["window", "num_splits"])
+def _split_kv_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr,
+    block_tables_ptr,
+    scale, softcap, window, num_splits,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_po_seq, stride_po_split, stride_po_head, stride_pl_seq, stride_pl_split,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if (seq_len == 0) | (q_len == 0):  # graph padding: the merge kernel writes its zeros
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    head = kv_head * GROUP + offs_m
+    row_valid = offs_m < GROUP
+    d_ok = offs_d < HEAD_DIM
+    row = (q_start + q_len - 1).to(tl.int64)
+    q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_ok[None, :], other=0.0)
+    pos = seq_len - 1
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos
+
+    if USE_WINDOW:
+        kv_start = (tl.maximum(pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        kv_start = 0
+    num_tiles = (seq_len - kv_start + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
+    lo = kv_start + split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    bt_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start_n in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start_n, seq_len, q_pos, row_valid, kv_head,
+            scale, softcap, window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION,
+        )
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))  # log2 domain
+    base_o = part_out_ptr + seq.to(tl.int64) * stride_po_seq + split * stride_po_split
+    tl.store(base_o + head[:, None] * stride_po_head + offs_d[None, :], out,
+             mask=row_valid[:, None] & d_ok[None, :])
+    base_l = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + split * stride_pl_split
+    tl.store(base_l + head, lse, mask=row_valid)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs,
+    stride_ot, stride_oh, stride_po_seq, stride_po_split, stride_po_head, stride_pl_seq, stride_pl_split,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = find_seq(query_start_loc_ptr, tok, num_seqs, 1, False)
+    is_real = seq < num_seqs
+    seq_len = tl.where(is_real, tl.load(seq_lens_ptr + tl.minimum(seq, num_seqs - 1)), 0)
+    num_parts = tl.where(seq_len > 0, NUM_SPLITS, 0)  # padded rows read no partials and come out as zeros
+
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    s_ok = offs_s < num_parts
+    seq64 = seq.to(tl.int64)
+    lse = tl.load(part_lse_ptr + seq64 * stride_pl_seq + offs_s * stride_pl_split + head, mask=s_ok,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    o = tl.load(part_out_ptr + seq64 * stride_po_seq + offs_s[:, None] * stride_po_split + head * stride_po_head
+                + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    den = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
+    out_ptrs = out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def decode_tile_config(head_dim: int, group: int) -> TileConfig:
+    """One program = one (sequence, KV head, split): the GQA group as rows (padded to the 16-row MMA minimum)."""
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    block_m = max(16, triton.next_power_of_2(group))
+    if head_dim_pad <= 128:
+        return TileConfig(block_m, 64, 4, 3)
+    return TileConfig(block_m, 32, 4, 2)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, num_sms: int) -> int:
+    """Splits per sequence for a decode batch of this shape; 1 means "use the unified kernel".
+
+    Depends only on the padded batch size and capacity (`max_kv_len` = max_blocks_per_seq * block_size), so the
+    choice made when a CUDA graph is captured holds for every replay.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    if programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms:
+        return 1
+    max_tiles = max(1, triton.cdiv(max_kv_len, block_n))
+    splits = max(1, min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs), max_tiles))
+    return 1 << (splits.bit_length() - 1)  # a power of two: few distinct merge-kernel compilations
+
+
+def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, output: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float, sliding_window: int, softcap: float, num_splits: int,
+                    part_out: torch.Tensor, part_lse: torch.Tensor, config: TileConfig | None = None) -> None:
+    """Decode attention (each sequence's last query row against its KV) with KV split `num_splits` ways.
+
+    `part_out` (float32, >= `num_seqs * num_splits * H * D` elements) and `part_lse` (float32, >= `num_seqs *
+    num_splits * H`) are scratch owned by the caller. Every row of `output` is written; rows that belong to no
+    sequence with KV are zeros. Only valid when every sequence has at most one query token.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0:
+        return
+    if num_seqs == 0:
+        output.zero_()
+        return
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert query.stride(-1) == 1 and output.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert query_start_loc.shape[0] >= num_seqs + 1 and block_tables.shape[0] >= num_seqs
+    group = num_heads // num_kv_heads
+    cfg = config or decode_tile_config(head_dim, group)
+    block_m = max(cfg.block_m, triton.next_power_of_2(group))
+    rows = num_seqs * num_splits
+    assert part_out.numel() >= rows * num_heads * head_dim and part_lse.numel() >= rows * num_heads, \
+        "split-KV scratch too small for this batch"
+    po = part_out.view(-1)[: rows * num_heads * head_dim].view(num_seqs, num_splits, num_heads, head_dim)
+    pl = part_lse.view(-1)[: rows * num_heads].view(num_seqs, num_splits, num_heads)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+
+    _split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, po, pl, query_start_loc, seq_lens, block_tables,
+        float(scale), float(softcap), int(sliding_window), num_splits,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        output, po, pl, query_start_loc, seq_lens, num_seqs,
+        output.stride(0), output.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, num_warps=4 if head_dim_pad * num_splits >= 4096 else 2,
+    )

@@ -1,0 +1,141 @@
+"""The Triton backend: our own paged-attention kernels, no third-party attention library needed.
+
+Three kernels (hf_accel/attention/kernels/): a KV write that skips padded slots, a unified varlen kernel that runs
+prefill chunks, decodes and mixed batches in one launch, and a split-KV decode kernel (plus merge) for small decode
+batches with long contexts. Every launch grid comes from tensor shapes and launch constants picked from the batch
+shape, never from per-step lengths, and all scratch is allocated in `__init__`, so any step can be captured in a
+CUDA graph and replayed with other lengths.
+
+Triton itself is imported lazily (in `__init__`): this module imports without it, so the registry can report
+"triton is not installed" instead of failing, and tests can switch on `TRITON_INTERPRET=1` before the kernels are
+defined, which lets the class run on CPU tensors in the interpreter.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport
+from hf_accel.attention.metadata import StepMetadata
+
+if TYPE_CHECKING:
+    from hf_accel.attention.kernels.common import TileConfig
+
+DEFAULT_NUM_SMS = 132  # H100/H200; used when the device is not a CUDA GPU (interpreter runs)
+
+
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # a broken install must not break backend listing either
+        return f"triton is not installed or failed to import ({exc.__class__.__name__}: {exc}); pip install triton"
+    return None
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supported_block_sizes = (16, 32, 64, 128)
+    supported_head_dims = tuple(range(16, 257, 8))  # padded to a power of two in-kernel (masked)
+    supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    supports_softcap = True
+    supports_sliding_window = True
+    requires_cuda = True
+    cudagraph_support = CUDAGraphSupport.ALWAYS
+
+    @classmethod
+    def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
+        generic_cuda = f"{cls.name} needs a CUDA GPU (device is {device.type})"
+        reasons = [r for r in super().unavailable_reasons(spec, device) if r != generic_cuda]
+        err = _triton_import_error()
+        if err is not None:
+            reasons.insert(0, err)
+        if device.type != "cuda":
+            reasons.insert(0, f"triton backend needs a CUDA GPU (device is {device.type}); "
+                              "its kernels run on CPU only in the Triton interpreter (TRITON_INTERPRET=1, tests)")
+        elif not torch.cuda.is_available():
+            reasons.insert(0, "triton backend needs a CUDA GPU (torch.cuda.is_available() is False)")
+        elif spec is not None and spec.dtype == torch.bfloat16:
+            try:
+                if torch.cuda.get_device_capability(device) < (8, 0):
+                    reasons.append("bfloat16 Triton kernels need compute capability >= 8.0 (Ampere or newer)")
+            except Exception:  # never raise from here
+                pass
+        return reasons
+
+    def __init__(self, spec: AttentionSpec, device: torch.device, block_size: int, max_num_seqs: int,
+                 max_num_tokens: int, max_blocks_per_seq: int, *, num_sms: int | None = None,
+                 num_kv_splits: int | None = None) -> None:
+        """`num_sms` overrides the SM count used to size split-KV decode; `num_kv_splits` forces the split count
+        for every decode batch (testing and tuning; 1 disables split-KV)."""
+        super().__init__(spec, device, block_size, max_num_seqs, max_num_tokens, max_blocks_per_seq)
+        from hf_accel.attention.kernels import kv_write, split_kv_decode, unified_attention
+
+        self._kv_write = kv_write
+        self._split = split_kv_decode
+        self._unified = unified_attention
+        if num_sms is None:
+            on_gpu = torch.device(device).type == "cuda"
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else DEFAULT_NUM_SMS
+        self.num_sms = num_sms
+        self.forced_num_splits = num_kv_splits
+        # Tile overrides (None: the kernels' defaults); the benchmark's sweep and the tests set these.
+        self.unified_config: TileConfig | None = None
+        self.decode_config: TileConfig | None = None
+
+        # Scratch for split-KV partials, sized for the largest (padded batch x splits) any decode batch can use.
+        self._split_rows = max((s * self._num_splits_for(s) for s in range(1, max_num_seqs + 1)
+                                if self._num_splits_for(s) > 1), default=0)
+        h, d = spec.num_heads, spec.head_dim
+        self._part_out = torch.zeros(max(self._split_rows, 1) * h * d, dtype=torch.float32, device=device)
+        self._part_lse = torch.zeros(max(self._split_rows, 1) * h, dtype=torch.float32, device=device)
+        self._planned_meta: StepMetadata | None = None
+        self._planned_splits = 1
+
+    def _num_splits_for(self, num_seqs: int) -> int:
+        """Split count for a decode batch of `num_seqs` (padded) sequences; 1 = unified kernel."""
+        if self.forced_num_splits is not None:
+            return max(1, self.forced_num_splits)
+        cfg = self.decode_config or self._split.decode_tile_config(self.spec.head_dim,
+                                                                   self.spec.num_heads // self.spec.num_kv_heads)
+        return self._split.choose_num_splits(num_seqs, self.spec.num_kv_heads,
+                                             self.max_blocks_per_seq * self.block_size, cfg.block_n, self.num_sms)
+
+    def splits_for_step(self, meta: StepMetadata) -> int:
+        """KV splits this step will use: > 1 is the split-KV decode path, 1 the unified kernel."""
+        if meta.max_query_len != 1:
+            return 1
+        num_seqs = meta.seq_lens.shape[0]
+        splits = self._num_splits_for(num_seqs)
+        if splits > 1 and num_seqs * splits > self._split_rows:
+            return 1  # a batch larger than max_num_seqs: no scratch for it, the unified kernel is always right
+        return splits
+
+    def prepare(self, meta: StepMetadata) -> None:
+        """Pick the path for this step: split-KV for small uniform-decode batches, the unified kernel otherwise.
+
+        The choice depends only on `max_query_len == 1` and the padded batch size, so a graph captured for a
+        decode batch size replays correctly for any decode batch of that size.
+        """
+        self._planned_meta = meta
+        self._planned_splits = self.splits_for_step(meta)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: StepMetadata) -> None:
+        self._kv_write.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
+                output: torch.Tensor, scale: float, sliding_window: int, softcap: float) -> None:
+        """Writes every row of `output`: rows of padded sequences or past the last sequence become zeros."""
+        splits = self._planned_splits if self._planned_meta is meta else self.splits_for_step(meta)
+        if splits > 1:
+            self._split.split_kv_decode(
+                query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
+            )
+        else:
+            self._unified.unified_attention(
+                query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                scale, sliding_window, softcap, meta.max_query_len, self.unified_config,
+            )

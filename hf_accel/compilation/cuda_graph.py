@@ -1,0 +1,156 @@
+"""CUDA graph capture and replay: the shared machinery and the full-graph runner.
+
+Full graphs serve uniform decode batches: one capture of the whole forward (attention included) per padded batch
+size, replayed with a single launch. The captured callable must read its inputs from persistent buffers (same
+addresses at every replay) and the runner fills those buffers before `replay()`; nothing is copied here.
+
+Memory: every graph of a process draws from one shared pool (`torch.cuda.graph_pool_handle()`). Outputs are kept
+as *weak* references (tensors that alias the pool without owning it), so after a capture the pool memory is free
+for the next capture; sizes are captured largest first and share the same bytes. The price is the usual one for
+graph replay: an output is valid only until the next replay of any graph of the pool, so consume (or copy) the
+logits of a step before running the next one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+logger = logging.getLogger(__name__)
+
+
+def pad_to_capture_size(n: int, sizes: Iterable[int]) -> int | None:
+    """The smallest capture size >= n, or None when n is above the largest (then no graph serves it)."""
+    ordered = sorted(sizes)
+    i = bisect.bisect_left(ordered, n)
+    return ordered[i] if i < len(ordered) else None
+
+
+def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor aliasing `t`'s memory without keeping it alive (lets the graph pool reuse it)."""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty((), dtype=t.dtype, device=t.device).set_(alias, t.storage_offset(), t.size(), t.stride())
+
+
+def weak_ref_tree(value: Any) -> Any:
+    return tree_map(lambda x: weak_ref_tensor(x) if isinstance(x, torch.Tensor) else x, value)
+
+
+_capture_stream: torch.cuda.Stream | None = None
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """One side stream for every capture of the process (capturing on the legacy default stream is illegal)."""
+    global _capture_stream
+    if _capture_stream is None:
+        _capture_stream = torch.cuda.Stream()
+    return _capture_stream
+
+
+def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture `fn()` into a new graph drawing from `pool`; returns (graph, fn's output).
+
+    `torch.cuda.graph(...)` would also run gc.collect() and empty_cache() on every capture, which costs seconds
+    over the hundreds of piecewise captures of a model; capture_begin/capture_end do only the capture.
+    """
+    graph = torch.cuda.CUDAGraph()
+    stream = capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
+
+
+class CaptureMemory:
+    """Measures what a capture phase costs on the device (allocated and reserved bytes)."""
+
+    def __init__(self) -> None:
+        self.on_cuda = torch.cuda.is_available()
+        self.allocated0 = torch.cuda.memory_allocated() if self.on_cuda else 0
+        self.reserved0 = torch.cuda.memory_reserved() if self.on_cuda else 0
+
+    def delta(self) -> tuple[int, int]:
+        if not self.on_cuda:
+            return 0, 0
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - self.allocated0, torch.cuda.memory_reserved() - self.reserved0
+
+
+class FullCUDAGraphRunner:
+    """Captures a whole forward once per key (e.g. padded decode batch size) and replays it.
+
+    Generic on purpose: `run_fn(key)` is any callable that reads persistent buffers (the runner fills them for the
+    key's padded shape, sets the forward context, and calls the model). Keys are usually ints (batch sizes); any
+    hashable works (e.g. `(num_tokens, uniform_decode)`); `sort_key` orders captures largest first.
+    """
+
+    def __init__(self, pool: Any = None, num_warmups: int = 1) -> None:
+        self.pool = pool
+        self.num_warmups = num_warmups
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.capture_seconds = 0.0
+        self.pool_bytes = 0  # reserved-memory growth over all captures
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
+
+    @property
+    def captured_keys(self) -> list[Hashable]:
+        return list(self._graphs)
+
+    def capture(self, keys: Iterable[Hashable], run_fn: Callable[[Hashable], Any],
+                prepare_fn: Callable[[Hashable], Any] | None = None,
+                sort_key: Callable[[Hashable], Any] | None = None) -> None:
+        """Warm up and capture `run_fn(key)` for every key not captured yet, largest first (memory reuse).
+
+        `prepare_fn(key)`, if given, runs before each warm-up and before the capture, outside the graph: fill the
+        persistent buffers with a dummy batch of that shape, set the forward context, `backend.prepare(meta)`.
+        """
+        if not torch.cuda.is_available():
+            raise RuntimeError("FullCUDAGraphRunner.capture needs CUDA")
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        todo = sorted((k for k in set(keys) if k not in self._graphs), key=sort_key, reverse=True)
+        if not todo:
+            return
+        mem = CaptureMemory()
+        t0 = time.perf_counter()
+        for key in todo:
+            for _ in range(self.num_warmups):
+                if prepare_fn is not None:
+                    prepare_fn(key)
+                run_fn(key)  # lazy init, autotuning, workspaces: all outside the capture
+            if prepare_fn is not None:
+                prepare_fn(key)
+            torch.cuda.synchronize()
+            graph, out = capture_graph(lambda k=key: run_fn(k), self.pool)
+            graph.replay()  # capture only records; replay so the buffers hold a real result
+            self._graphs[key] = (graph, weak_ref_tree(out))
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        allocated, reserved = mem.delta()
+        self.capture_seconds += elapsed
+        self.pool_bytes += reserved
+        logger.info("captured %d full CUDA graph(s) in %.2f s (device memory: %+.1f MiB allocated, %+.1f MiB "
+                    "reserved)", len(todo), elapsed, allocated / 2**20, reserved / 2**20)
+
+    def replay(self, key: Hashable) -> Any:
+        """Replay the graph of `key`; returns the captured output (valid until the next replay of the pool)."""
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out
+
+    def reset(self) -> None:
+        self._graphs.clear()

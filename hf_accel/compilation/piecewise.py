@@ -1,0 +1,589 @@
+"""Piecewise compilation: one Dynamo trace of the forward, cut at every attention op.
+
+Why: attention runs on per-step metadata (sequence boundaries, block tables) whose shapes change every step, so it
+cannot live inside a CUDA graph captured for a token count; everything else in a decoder layer depends only on the
+token count T. So the traced forward is split at each `torch.ops.hf_accel.attention` call: attention runs eagerly,
+and each piece between two attention calls is compiled once by Inductor for a symbolic T (fusing RMSNorm+residual,
+SiLU*mul, RoPE) and, on CUDA, captured as one graph per padded T and replayed.
+
+Pieces whose inputs carry another dynamic size (the last piece gathers `logits_indices`, of length N) run compiled
+but never as graphs; T values that were not captured run the compiled pieces without graphs.
+
+Structurally identical pieces (the middle layers of a model) are compiled once and the compiled code is shared: a
+32-layer model costs three Inductor compiles, not 33.
+
+Calls after the first bypass Dynamo: the trace is done once, then the compiled split graph is called directly with
+the arguments laid out as Dynamo traced them. That removes the per-call guard evaluation (hundreds of weight guards)
+and Dynamo's 0/1 specialization (T=1 or N=1 would otherwise recompile at runtime, on a user's request). The binding
+is checked against what Dynamo itself passed on the first call; if it cannot be proven, calls go through Dynamo.
+
+Graph input contract: captured pieces read their inputs at the addresses seen during capture. Activations flowing
+between pieces are graph outputs and keep their addresses by construction. The forward's own inputs
+(`input_ids`, `position_ids`) should be slices `buf[:, :T]` of persistent buffers: then replay copies nothing. Any
+other tensor is copied into the captured one (correct, slightly slower).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
+from torch.fx.passes.split_module import split_module
+
+import hf_accel.attention.op  # noqa: F401  (registers torch.ops.hf_accel.attention)
+from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, weak_ref_tree
+
+logger = logging.getLogger(__name__)
+
+
+def default_splitting_ops() -> tuple[Any, ...]:
+    return (torch.ops.hf_accel.attention, torch.ops.hf_accel.attention.default)
+
+
+@dataclass
+class CompileStats:
+    num_pieces: int = 0  # compute pieces (attention excluded)
+    num_attention: int = 0  # attention submodules (one per layer)
+    num_compiled: int = 0  # distinct compiles after sharing identical pieces
+    num_graphable: int = 0  # pieces that get CUDA graphs
+    trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend)
+    compile_seconds: float = 0.0  # split + Inductor
+    capture_seconds: float = 0.0
+    captured_sizes: list[int] = field(default_factory=list)
+    pool_bytes_allocated: int = 0
+    pool_bytes_reserved: int = 0
+
+
+def _is_splitting_node(node: torch.fx.Node, ops: Sequence[Any]) -> bool:
+    return node.op == "call_function" and any(node.target is op for op in ops)
+
+
+def _describe(value: Any) -> str:
+    """What an input looks like to a compiled piece (shape/stride symbols included), for sharing compiles."""
+    if isinstance(value, torch.Tensor):
+        return (f"T({tuple(value.shape)},{value.stride()},{value.storage_offset()},{value.dtype},"
+                f"{value.device},{value.requires_grad})")
+    if isinstance(value, torch.SymInt):
+        return f"S({value.node.expr})"
+    return f"C({type(value).__name__}:{value!r})"
+
+
+def _target_name(target: Any) -> str:
+    try:
+        return torch.fx.node._get_qualified_name(target)
+    except Exception:  # a local function or other oddity: equal only to itself
+        return f"{target!r}@{id(target)}"
+
+
+def graph_signature(gm: torch.fx.GraphModule, args: Sequence[Any]) -> str | None:
+    """A hash equal for two pieces exactly when one compiled artifact can serve both (None: never share)."""
+    index: dict[torch.fx.Node, int] = {}
+    parts: list[str] = []
+    placeholders = 0
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        if node.op == "placeholder":
+            parts.append("in:" + _describe(args[placeholders]))
+            placeholders += 1
+            continue
+        if node.op in ("get_attr", "call_module"):
+            return None  # holds module state: not shareable
+        fmt = lambda a: torch.fx.node.map_arg(a, lambda n: f"%{index[n]}")  # noqa: B023
+        target = node.target if isinstance(node.target, str) else _target_name(node.target)
+        parts.append(f"{node.op}:{target}:{fmt(node.args)!r}:{fmt(node.kwargs)!r}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+_entry_counter = itertools.count()
+
+
+def _fresh_entry(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A wrapper with its own code object: Dynamo caches compiled frames per code object and caps recompiles (8),
+    so models compiled in one process through the same forward function would otherwise exhaust one shared cap."""
+
+    def entry(*args: Any) -> Any:
+        return fn(*args)
+
+    entry.__code__ = entry.__code__.replace(co_name=f"hf_accel_forward_{next(_entry_counter)}")
+    return entry
+
+
+class _Capture:
+    """One captured piece for one T: the graph, its (weak) outputs and the inputs whose addresses it reads."""
+
+    __slots__ = ("graph", "outputs", "checks")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any,
+                 checks: list[tuple[int, int, torch.Tensor | None]]) -> None:
+        self.graph = graph
+        self.outputs = outputs
+        self.checks = checks  # (arg index, data_ptr at capture, the captured tensor if we own a copy target)
+
+
+class PieceRunner:
+    """Runs one compiled piece: from its CUDA graph when one is captured for this T, else the compiled code."""
+
+    def __init__(self, owner: PiecewiseForward, index: int, fn: Callable, size_arg: tuple[int, int | None] | None,
+                 graphable: bool, check_args: list[int]) -> None:
+        self.owner = owner
+        self.index = index
+        self.fn = fn
+        self.size_arg = size_arg
+        self.graphable = graphable
+        self.check_args = check_args
+        self.captures: dict[int, _Capture] = {}
+
+    def _size(self, args: Sequence[Any]) -> int:
+        i, dim = self.size_arg  # type: ignore[misc]
+        return int(args[i]) if dim is None else args[i].shape[dim]
+
+    def __call__(self, *args: Any) -> Any:
+        owner = self.owner
+        if not self.graphable or not owner.graphs_enabled:
+            return self.fn(*args)
+        size = self._size(args)
+        cap = self.captures.get(size)
+        if cap is not None:
+            return self._replay(cap, args, size)
+        if owner.capturing_size == size and not torch.cuda.is_current_stream_capturing():
+            return self._capture(args, size)
+        return self.fn(*args)
+
+    def _replay(self, cap: _Capture, args: Sequence[Any], size: int) -> Any:
+        if torch.cuda.is_current_stream_capturing():  # inside someone else's (full) capture: no nesting
+            return self.fn(*args)
+        for i, ptr, static in cap.checks:
+            arg = args[i]
+            if arg.data_ptr() != ptr:
+                if static is None:
+                    raise RuntimeError(
+                        f"piecewise CUDA graph of piece {self.index} (T={size}): input {i} moved; it is an output of "
+                        "an earlier captured piece and must keep its address")
+                static.copy_(arg)
+        cap.graph.replay()
+        return cap.outputs
+
+    def _capture(self, args: Sequence[Any], size: int) -> Any:
+        owner = self.owner
+        checks: list[tuple[int, int, torch.Tensor | None]] = []
+        for i in self.check_args:
+            arg = args[i]
+            # outputs of earlier captured pieces live in the pool and keep their address; anything else we keep
+            # alive so a moved input can be copied into it at replay
+            in_pool = arg.untyped_storage().data_ptr() in owner.pool_ptrs
+            checks.append((i, arg.data_ptr(), None if in_pool else arg))
+        graph, out = capture_graph(lambda: self.fn(*args), owner.graph_pool)
+        graph.replay()  # capture only records the kernels: run them so this forward's result is real
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                owner.pool_ptrs.add(t.untyped_storage().data_ptr())
+        self.captures[size] = _Capture(graph, weak_ref_tree(out), checks)
+        # Return the real (owning) outputs: the pool must see them alive exactly as long as this forward uses them,
+        # so later captures reuse only memory that is dead by then. Replays return the weak aliases.
+        return out
+
+
+class PiecewiseForward:
+    """The compiled forward: `logits = pf(input_ids[1, T], position_ids[1, T], logits_indices[N])`.
+
+    Lifecycle (all at warm-up, never on a user's request):
+    1. `compile(input_ids, position_ids, logits_indices)`: the first call. Traces (Dynamo), splits, compiles and
+       runs once; the caller sets the forward context around it, exactly as for any forward. T >= 2, N >= 2 and
+       N != T there (Dynamo would otherwise specialize or unify the two sizes).
+    2. `capture(sizes, run_fn)`: for each T in `sizes`, largest first, `run_fn(T)` must run one forward at padded
+       size T (context set, buffers filled) through this object; it is called twice (warm-up, then capture).
+    3. `pf(...)`: any T >= 1, any N >= 1; captured T replay graphs, others run compiled.
+    """
+
+    def __init__(self, forward_fn: Callable[..., torch.Tensor], *, capture_sizes: Iterable[int] = (),
+                 use_cudagraph: bool = False, graph_pool: Any = None, compiler: str = "inductor",
+                 splitting_ops: Sequence[Any] | None = None, share_identical_pieces: bool = True,
+                 token_dims: Sequence[tuple[int, int]] = ((0, 1), (1, 1)),
+                 other_dynamic_dims: Sequence[tuple[int, int]] = ((2, 0),),
+                 bypass_dynamo: bool = True) -> None:
+        if compiler not in ("inductor", "eager"):
+            raise ValueError(f"compiler must be 'inductor' or 'eager', got {compiler!r}")
+        self.forward_fn = forward_fn
+        self.capture_sizes = sorted({int(s) for s in capture_sizes})
+        self.use_cudagraph = use_cudagraph
+        self.graph_pool = graph_pool
+        self.compiler = compiler
+        self.splitting_ops = tuple(splitting_ops) if splitting_ops is not None else default_splitting_ops()
+        self.share_identical_pieces = share_identical_pieces
+        self.token_dims = tuple(token_dims)
+        self.other_dynamic_dims = tuple(other_dynamic_dims)
+        self.bypass_dynamo = bypass_dynamo
+        self.stats = CompileStats()
+        # set by the backend
+        self.split_gm: torch.fx.GraphModule | None = None
+        self.pieces: list[PieceRunner] = []
+        self.attention_names: list[str] = []
+        self.piece_names: list[str] = []
+        self.num_backend_calls = 0
+        # CUDA graph state
+        self.graphs_enabled = False
+        self.capturing_size: int | None = None
+        self.pool_ptrs: set[int] = set()
+        # direct-call binding (Dynamo bypass)
+        self._dynamo_fn: Callable | None = None
+        self._tracing_args: tuple[torch.Tensor, ...] | None = None
+        self._template: list[Any] | None = None
+        self._arg_slots: list[tuple[int, int]] = []
+        self._size_slots: list[tuple[int, int, int, int]] = []
+        self._direct: Callable | None = None
+        self._bind_error: str | None = None
+        self._first_call_args: list[Any] | None = None
+        self._first_call_out: Any = None
+
+    # ------------------------------------------------------------------ compile
+    @property
+    def compiled(self) -> bool:
+        return self.split_gm is not None
+
+    @property
+    def bypasses_dynamo(self) -> bool:
+        return self._direct is not None
+
+    def compile(self, *example_inputs: torch.Tensor) -> torch.Tensor:
+        """Trace, split, compile and run the forward once on `example_inputs` (forward context must be set)."""
+        if self.compiled:
+            return self(*example_inputs)
+        self._check_example(example_inputs)
+        for k, d in self.token_dims + self.other_dynamic_dims:
+            torch._dynamo.mark_dynamic(example_inputs[k], d)
+        self._dynamo_fn = torch.compile(_fresh_entry(self.forward_fn), backend=self._backend, fullgraph=True)
+        self._tracing_args = tuple(example_inputs)
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                out = self._dynamo_fn(*example_inputs)
+                total = time.perf_counter() - t0
+            if not self.compiled:
+                raise RuntimeError("torch.compile ran the forward without calling the hf_accel backend "
+                                   "(Dynamo recompile limit reached, or compilation disabled?)")
+            self._finish_binding(out, tuple(example_inputs))
+        finally:
+            self._tracing_args = None
+        self.stats.trace_seconds = max(0.0, total - self.stats.compile_seconds)
+        logger.info(
+            "piecewise compile: %d pieces (%d compiled, %d graphable) + %d attention ops in %.2f s "
+            "(trace+first run %.2f s, split+%s %.2f s); %s", self.stats.num_pieces, self.stats.num_compiled,
+            self.stats.num_graphable, self.stats.num_attention, total, self.stats.trace_seconds, self.compiler,
+            self.stats.compile_seconds,
+            "calls bypass Dynamo" if self.bypasses_dynamo else f"calls go through Dynamo ({self._bind_error})")
+        return out
+
+    def _check_example(self, example_inputs: Sequence[torch.Tensor]) -> None:
+        tok = {example_inputs[k].shape[d] for k, d in self.token_dims}
+        other = [example_inputs[k].shape[d] for k, d in self.other_dynamic_dims]
+        if len(tok) != 1:
+            raise ValueError(f"token dims disagree in the example inputs: {tok}")
+        (t,) = tok
+        sizes = [t, *other]
+        if min(sizes) < 2 or len(set(sizes)) != len(sizes):
+            raise ValueError(
+                f"compile with distinct dynamic sizes >= 2 (got T={t}, others={other}): Dynamo specializes sizes "
+                "0/1 and would merge equal sizes into one symbol")
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        """The torch.compile backend: split at the splitting ops, compile the pieces, return the split graph."""
+        self.num_backend_calls += 1
+        if self.split_gm is not None:
+            logger.warning("hf_accel piecewise backend called again (Dynamo recompiled the forward)")
+        t0 = time.perf_counter()
+        split_gm = self._build(gm, example_inputs)
+        self.stats.compile_seconds = time.perf_counter() - t0
+        if self._tracing_args is not None:
+            self._prepare_binding(gm, example_inputs)
+        forward = split_gm.forward
+        recorded = False
+
+        def first_call_recorder(*args: Any) -> Any:
+            # what Dynamo passes and gets back on the first call proves (or not) the direct-call layout
+            nonlocal recorded
+            out = forward(*args)
+            if not recorded:
+                recorded = True
+                self._first_call_args, self._first_call_out = list(args), out
+            return out
+
+        return first_call_recorder
+
+    def _build(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.GraphModule:
+        # 1. partition: a new piece after every splitting op, each op alone in its own
+        part: dict[torch.fx.Node, int] = {}
+        attention_parts: set[int] = set()
+        pid = 0
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if _is_splitting_node(node, self.splitting_ops):
+                pid += 1
+                part[node] = pid
+                attention_parts.add(pid)
+                pid += 1
+            else:
+                part[node] = pid
+        split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)
+
+        # 2. fake inputs of every submodule, by interpreting the split graph on Dynamo's fake tensors
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        fake_args = [n.meta.get("example_value", ex) for n, ex in zip(placeholders, example_inputs, strict=True)]
+        fake_mode = next((a.fake_mode for a in fake_args if isinstance(a, torch._subclasses.FakeTensor)), None)
+        sub_args: dict[str, list[Any]] = {}
+
+        class _Recorder(torch.fx.Interpreter):
+            def call_module(self, target, args, kwargs):  # type: ignore[override]
+                sub_args[target] = list(args)
+                return super().call_module(target, args, kwargs)
+
+        ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+        with ctx:
+            _Recorder(split_gm).run(*fake_args)
+
+        # 3. which outer inputs are weights (fixed address, never checked at replay): tensors that are neither an
+        #    argument of the forward nor sized by a dynamic dimension; and which symbols are dynamic sizes other
+        #    than T (a piece that depends on one gets no graph). Symbols that only describe strides do not count.
+        arg_fakes = self._forward_arg_fakes(placeholders, example_inputs)
+        token_sym = self._token_symbol(arg_fakes)
+        size_syms: set[Any] = set()
+        for fake in arg_fakes.values():
+            for s in fake.shape:
+                size_syms |= free_symbols(s) if isinstance(s, torch.SymInt) else set()
+        other_syms = size_syms - {token_sym}
+        outer_static = {n.name for n, ex, fake in zip(placeholders, example_inputs, fake_args, strict=True)
+                        if isinstance(ex, torch.Tensor) and not any(ex is a for a in self._tracing_args or ())
+                        and not free_symbols(fake)}
+
+        # 4. compile each piece (sharing identical ones) and install runners
+        compiled_by_sig: dict[str, Callable] = {}
+        self.pieces, self.attention_names, self.piece_names = [], [], []
+        call_nodes = {n.target: n for n in split_gm.graph.nodes if n.op == "call_module"}
+        for name, submod in list(split_gm.named_children()):
+            node = call_nodes[name]
+            args = sub_args[name]
+            if int(name.rsplit("_", 1)[1]) in attention_parts:
+                self.attention_names.append(name)
+                split_gm.__dict__[name] = submod.forward  # eager, no Module.__call__ overhead
+                continue
+            sig = graph_signature(submod, args) if self.share_identical_pieces else None
+            if sig is not None and sig in compiled_by_sig:
+                fn = compiled_by_sig[sig]
+            else:
+                t0 = time.perf_counter()
+                fn = self._compile_piece(submod, args, fake_mode)
+                self.stats.num_compiled += 1
+                logger.debug("compiled piece %s (%d nodes) in %.2f s", name, len(submod.graph.nodes),
+                             time.perf_counter() - t0)
+                if sig is not None:
+                    compiled_by_sig[sig] = fn
+            size_arg, graphable = self._size_info(args, token_sym, other_syms)
+            check_args = [i for i, (a, n) in enumerate(zip(args, node.args, strict=True))
+                          if isinstance(a, torch.Tensor)
+                          and not (isinstance(n, torch.fx.Node) and n.op == "placeholder" and n.name in outer_static)]
+            runner = PieceRunner(self, len(self.pieces), fn, size_arg, graphable, check_args)
+            self.pieces.append(runner)
+            self.piece_names.append(name)
+            split_gm.__dict__[name] = runner
+        self.stats.num_pieces = len(self.pieces)
+        self.stats.num_attention = len(self.attention_names)
+        self.stats.num_graphable = sum(p.graphable for p in self.pieces)
+        self.split_gm = split_gm
+        return split_gm
+
+    def _forward_arg_fakes(self, placeholders: list[torch.fx.Node], example_inputs: list[Any]) -> dict[int, Any]:
+        """Fake tensor of each forward argument, by identity with what Dynamo passed (empty after a recompile)."""
+        fakes: dict[int, Any] = {}
+        for n, ex in zip(placeholders, example_inputs, strict=True):
+            for k, a in enumerate(self._tracing_args or ()):
+                if ex is a and "example_value" in n.meta:
+                    fakes[k] = n.meta["example_value"]
+        return fakes
+
+    def _token_symbol(self, arg_fakes: dict[int, Any]) -> Any:
+        """The symbol of T in the traced graph (None after a recompile outside compile(): no graphs then)."""
+        k, d = self.token_dims[0]
+        if k not in arg_fakes:
+            return None
+        size = arg_fakes[k].shape[d]
+        if isinstance(size, torch.SymInt):
+            return size.node.expr
+        raise RuntimeError(f"the token dimension was specialized to {size} while tracing the forward")
+
+    @staticmethod
+    def _size_info(args: Sequence[Any], token_sym: Any,
+                   other_syms: set[Any]) -> tuple[tuple[int, int | None] | None, bool]:
+        """Where to read T from the piece's arguments, and whether the piece depends on no other dynamic size."""
+        if token_sym is None:
+            return None, False
+        size_arg: tuple[int, int | None] | None = None
+        only_t = True
+        for i, a in enumerate(args):
+            syms = free_symbols(a) if isinstance(a, (torch.Tensor, torch.SymInt)) else set()
+            if syms & other_syms:
+                only_t = False
+            if size_arg is not None:
+                continue
+            if isinstance(a, torch.SymInt) and a.node.expr == token_sym:
+                size_arg = (i, None)
+            elif isinstance(a, torch.Tensor):
+                for d, s in enumerate(a.shape):
+                    if isinstance(s, torch.SymInt) and s.node.expr == token_sym:
+                        size_arg = (i, d)
+                        break
+        return size_arg, only_t and size_arg is not None
+
+    def _compile_piece(self, submod: torch.fx.GraphModule, args: list[Any], fake_mode: Any) -> Callable:
+        """Inductor for a symbolic T: `args` are Dynamo's fake tensors, so the compiled code is shape-generic."""
+        if self.compiler == "eager":
+            return submod.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            fn = compile_fx(submod, args)
+        return fn  # positional arguments (its `_boxed_call` attribute is copied from an inner function)
+
+    # ------------------------------------------------------------------ Dynamo bypass
+    def _prepare_binding(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+        """Lay out the traced graph's inputs: forward arguments, sizes read from them, and fixed objects."""
+        args = self._tracing_args or ()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        arg_fakes = self._forward_arg_fakes(placeholders, example_inputs)
+        template: list[Any] = []
+        arg_slots, size_slots = [], []
+        for pos, (n, ex) in enumerate(zip(placeholders, example_inputs, strict=True)):
+            template.append(None)
+            if isinstance(ex, torch.Tensor):
+                k = next((k for k, a in enumerate(args) if ex is a), None)
+                if k is None:
+                    template[pos] = ex  # weights and buffers: bound by reference
+                else:
+                    arg_slots.append((pos, k))
+            elif isinstance(ex, torch.SymInt):
+                expr = n.meta["example_value"].node.expr if "example_value" in n.meta else ex.node.expr
+                loc = self._locate_symbol(arg_fakes, expr)
+                if loc is None:
+                    self._bind_error = f"graph input {n.name} is a size not read off the forward's arguments"
+                    return
+                size_slots.append((pos, *loc))
+            else:
+                self._bind_error = f"graph input {n.name} has unsupported type {type(ex).__name__}"
+                return
+        self._template, self._arg_slots, self._size_slots = template, arg_slots, size_slots
+
+    @staticmethod
+    def _locate_symbol(arg_fakes: dict[int, Any], expr: Any) -> tuple[int, int, int] | None:
+        """(argument, kind, dim) where a symbol can be read: kind 0 a size, 1 a stride, 2 the storage offset."""
+        for kind in (0, 1, 2):
+            for k, fake in arg_fakes.items():
+                values = fake.shape if kind == 0 else fake.stride() if kind == 1 else (fake.storage_offset(),)
+                for d, v in enumerate(values):
+                    if isinstance(v, torch.SymInt) and v.node.expr == expr:
+                        return k, kind, d
+        return None
+
+    def _bind(self, args: Sequence[torch.Tensor]) -> list[Any]:
+        flat = list(self._template)  # type: ignore[arg-type]
+        for pos, k in self._arg_slots:
+            flat[pos] = args[k]
+        for pos, k, kind, d in self._size_slots:
+            a = args[k]
+            flat[pos] = a.shape[d] if kind == 0 else a.stride(d) if kind == 1 else a.storage_offset()
+        return flat
+
+    def _finish_binding(self, out: Any, example_inputs: tuple[torch.Tensor, ...]) -> None:
+        """Enable direct calls only if they reproduce exactly what Dynamo passed and returned."""
+        recorded, graph_out = self._first_call_args, self._first_call_out
+        self._first_call_args = self._first_call_out = None
+        if not self.bypass_dynamo:
+            self._bind_error = self._bind_error or "disabled"
+            return
+        if self._bind_error is not None or recorded is None or self._template is None:
+            self._bind_error = self._bind_error or "binding unavailable"
+            return
+        mine = self._bind(example_inputs)
+        same = len(mine) == len(recorded) and all(
+            (a is b) if isinstance(a, torch.Tensor) else (a == b) for a, b in zip(mine, recorded, strict=True))
+        if not same:
+            self._bind_error = "argument layout differs from Dynamo's"
+            return
+        if not (isinstance(graph_out, (tuple, list)) and len(graph_out) == 1 and graph_out[0] is out):
+            self._bind_error = "the forward's return value is not the graph's single output"
+            return
+        self._direct = self.split_gm.forward  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ run
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        direct = self._direct
+        if direct is not None:
+            return direct(*self._bind((input_ids, position_ids, logits_indices)))[0]
+        if self._dynamo_fn is None:
+            raise RuntimeError("PiecewiseForward: call compile(...) first (at warm-up)")
+        return self._dynamo_fn(input_ids, position_ids, logits_indices)
+
+    @contextlib.contextmanager
+    def graphs_disabled(self) -> Iterator[None]:
+        """Run the compiled pieces without piecewise graphs (e.g. inside a full-graph capture)."""
+        previous, self.graphs_enabled = self.graphs_enabled, False
+        try:
+            yield
+        finally:
+            self.graphs_enabled = previous
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def capture(self, sizes: Iterable[int] | None, run_fn: Callable[[int], Any]) -> None:
+        """Capture the graphable pieces for every T in `sizes` (default: capture_sizes), largest first."""
+        if not self.use_cudagraph:
+            return
+        if not self.compiled:
+            raise RuntimeError("PiecewiseForward.capture: compile(...) first")
+        if not torch.cuda.is_available():
+            raise RuntimeError("piecewise CUDA graphs need CUDA")
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        todo = sorted({int(s) for s in (sizes if sizes is not None else self.capture_sizes)}
+                      - set(self.stats.captured_sizes), reverse=True)
+        if not todo:
+            return
+        mem = CaptureMemory()
+        t0 = time.perf_counter()
+        for size in todo:
+            with self.graphs_disabled():
+                run_fn(size)  # warm-up: Triton autotuning, cuBLAS workspaces, lazy init, outside any capture
+            torch.cuda.synchronize()
+            self.graphs_enabled = True
+            self.capturing_size, self.pool_ptrs = size, set()
+            try:
+                run_fn(size)
+            finally:
+                self.capturing_size, self.pool_ptrs = None, set()
+            self.stats.captured_sizes.append(size)
+        elapsed = time.perf_counter() - t0
+        allocated, reserved = mem.delta()
+        self.stats.capture_seconds += elapsed
+        self.stats.pool_bytes_allocated += allocated
+        self.stats.pool_bytes_reserved += reserved
+        logger.info("captured piecewise CUDA graphs for %d sizes x %d pieces in %.2f s (device memory: %+.1f MiB "
+                    "allocated, %+.1f MiB reserved)", len(todo), self.stats.num_graphable, elapsed,
+                    allocated / 2**20, reserved / 2**20)
+
+
+def compile_piecewise(forward_fn: Callable[..., torch.Tensor], *, capture_sizes: Iterable[int] = (),
+                      use_cudagraph: bool = False, example_inputs: Sequence[torch.Tensor] | None = None,
+                      **kwargs: Any) -> PiecewiseForward:
+    """Build the piecewise-compiled forward; with `example_inputs`, compile right away (forward context set)."""
+    pf = PiecewiseForward(forward_fn, capture_sizes=capture_sizes, use_cudagraph=use_cudagraph, **kwargs)
+    if example_inputs is not None:
+        pf.compile(*example_inputs)
+    return pf

@@ -1,0 +1,116 @@
+"""Shared tiny-model fixtures for the CPU test suite.
+
+Everything here is built in memory (no downloads): a 2-layer Llama with a 200-token vocabulary and a character-level
+tokenizer over the same 200 ids. Models are built once per test module; a test that needs a model it can break
+(restore, re-accelerate, failing accelerate) takes a fresh copy with `fresh_copy(stock_model)`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from hf_accel import accelerate_model
+
+VOCAB_SIZE = 200
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the tiny tokenizer's specials; the model's generation_config has eos 2, bos 1
+
+LLAMA_KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=256)
+
+
+def make_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A tiny random Llama in float32, eval mode, deterministic for a given seed."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA_KW, **overrides})).eval()
+    return model
+
+
+def fresh_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """An independent copy (same weights) that a test may accelerate, restore or break."""
+    return copy.deepcopy(model)
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: ids 0/1/2 are <pad>/<s>/</s>, ids 3..199 are single printable characters.
+
+    Decoding concatenates the characters (Fuse decoder), so `StopStringCriteria` can map every token to its string.
+    """
+    chars = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(192, 192 + 103)]
+    vocab = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID}
+    for i, ch in enumerate(chars):
+        vocab[ch] = i + 3
+    assert len(vocab) == VOCAB_SIZE
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+                                   unk_token="<pad>", padding_side="left")
+
+
+def left_pad(rows: list[list[int]], pad: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch: (input_ids [B, L], attention_mask [B, L])."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def engine_of(model):
+    """The hf_accel engine behind an accelerated model."""
+    return model._hf_accel_state.engine
+
+
+def engine_steps(model) -> int:
+    return engine_of(model).stats.steps
+
+
+def assert_engine_idle(model) -> None:
+    """No request left queued or running, and every KV block (except the null block 0) back in the free pool."""
+    eng = engine_of(model)
+    assert not eng.scheduler.waiting and not eng.scheduler.running
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.num_blocks - 1
+    assert all(c == 0 for c in bm.ref_counts)
+
+
+# prompts reused across modules: different lengths so that the batch really is left padded
+PROMPTS = [
+    [5, 17, 42, 99, 7, 150, 33, 64, 12],
+    [88, 3, 120],
+    [45, 46, 47, 48, 49, 50],
+]
+
+
+@pytest.fixture(scope="module")
+def stock_model():
+    """The reference: a tiny Llama that is never accelerated."""
+    return make_llama(0)
+
+
+@pytest.fixture(scope="module")
+def accel_model(stock_model):
+    """Same weights as `stock_model`, accelerated (CPU: torch backend, no graphs, no compile)."""
+    return accelerate_model(fresh_copy(stock_model))
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread: tiny models are dominated by threading overhead, worst on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()

@@ -1,0 +1,631 @@
+"""Backend selection and availability reasons (CPU, libraries faked), plus GPU parity of the FlashInfer and
+flash-attn backends against the torch reference (bf16; `pytest -m gpu`, skipped without CUDA or the library)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import types
+
+import pytest
+import torch
+
+from hf_accel.attention import registry
+from hf_accel.attention.autotune import autotune_backends, synthetic_step_metadata
+from hf_accel.attention.backend import AttentionSpec
+from hf_accel.attention.flash_attn_backend import FlashAttnBackend, detect_variant
+from hf_accel.attention.flashinfer_backend import FlashInferBackend
+from hf_accel.attention.torch_backend import TorchAttentionBackend
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
+SPEC = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+
+
+# ---- fakes ---------------------------------------------------------------------------------------------------------
+
+
+def fa4_varlen(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+               min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
+               softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0,
+               num_splits=1, pack_gqa=None, deterministic=False, return_lse=False):
+    raise AssertionError("fake")
+
+
+def fa2_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+               causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+               return_attn_probs=False, block_table=None):
+    raise AssertionError("fake")
+
+
+def fa2_varlen_without_paging(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+    raise AssertionError("fake")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_detection():
+    detect_variant.cache_clear()
+    yield
+    detect_variant.cache_clear()
+
+
+@pytest.fixture
+def no_libs(monkeypatch):
+    """flashinfer and every flash-attn variant absent, whatever is installed here."""
+    for name in ("flashinfer", "flash_attn", "flash_attn.cute", "flash_attn_interface"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def fake_cuda(monkeypatch, capability=(9, 0)):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def fake_flashinfer(monkeypatch, version="0.6.12"):
+    module = types.ModuleType("flashinfer")
+    module.__version__ = version
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+
+
+def fake_fa4(monkeypatch):
+    package = types.ModuleType("flash_attn")
+    package.__path__ = []  # a package, so flash_attn.cute resolves through sys.modules
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_varlen_func = fa4_varlen
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    return package
+
+
+def fake_fa2(monkeypatch, fn=fa2_varlen, package=None):
+    module = package or types.ModuleType("flash_attn")
+    module.flash_attn_varlen_func = fn
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+
+
+# ---- names and the CPU choice --------------------------------------------------------------------------------------
+
+
+def test_unknown_backend_raises():
+    with pytest.raises(ValueError, match="unknown attention_backend"):
+        registry.select_backend("vllm", SPEC, CPU)
+
+
+def test_auto_on_cpu_picks_torch():
+    assert registry.select_backend("auto", SPEC, CPU) is TorchAttentionBackend
+    assert registry.auto_candidates(SPEC, CPU) == [TorchAttentionBackend]
+
+
+@pytest.mark.parametrize("name", ["flashinfer", "flash_attn"])
+def test_named_gpu_backend_on_cpu_raises_with_reasons(name):
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        registry.select_backend(name, SPEC, CPU)
+
+
+def test_backend_modules_import_without_libraries(no_libs):
+    reasons = registry.available_backends_for(SPEC, CPU)
+    assert set(reasons) == set(registry.BACKEND_NAMES)
+    assert reasons["torch"] is None
+    assert "flashinfer is not installed" in reasons["flashinfer"]
+    assert "no usable flash-attn variant" in reasons["flash_attn"]
+    for variant in ("FA4", "FA3", "FA2"):
+        assert variant in reasons["flash_attn"]
+
+
+# ---- flashinfer --------------------------------------------------------------------------------------------------
+
+
+def test_flashinfer_absent_is_a_reason(monkeypatch, no_libs):
+    fake_cuda(monkeypatch)
+    with pytest.raises(ValueError, match="flashinfer is not installed"):
+        registry.select_backend("flashinfer", SPEC, CUDA)
+
+
+def test_flashinfer_present_is_the_auto_choice(monkeypatch, no_libs):
+    fake_cuda(monkeypatch)
+    fake_flashinfer(monkeypatch)
+    assert FlashInferBackend.unavailable_reasons(SPEC, CUDA) == []
+    assert registry.select_backend("auto", SPEC, CUDA) is FlashInferBackend
+    assert registry.select_backend("flashinfer", SPEC, CUDA) is FlashInferBackend
+    assert registry.auto_candidates(SPEC, CUDA)[0] is FlashInferBackend
+    assert FlashInferBackend.supported_block_sizes[0] == 16
+
+
+def test_flashinfer_head_dim_80_excluded(monkeypatch, no_libs):
+    fake_cuda(monkeypatch)
+    fake_flashinfer(monkeypatch)
+    spec = AttentionSpec(num_heads=32, num_kv_heads=32, head_dim=80, dtype=torch.float16)
+    assert any("head_dim 80" in r for r in FlashInferBackend.unavailable_reasons(spec, CUDA))
+    with pytest.raises(ValueError, match="head_dim 80"):
+        registry.select_backend("flashinfer", spec, CUDA)
+    assert registry.select_backend("auto", spec, CUDA) is not FlashInferBackend
+    assert FlashInferBackend not in registry.auto_candidates(spec, CUDA)
+
+
+@pytest.mark.parametrize(
+    "spec_kwargs, version, capability, expected",
+    [
+        ({"dtype": torch.float32}, "0.6.12", (9, 0), "dtype"),
+        ({}, "0.5.3", (9, 0), "too old"),
+        ({}, "0.6.12", (7, 5), "sm80+"),
+    ],
+)
+def test_flashinfer_reasons(monkeypatch, no_libs, spec_kwargs, version, capability, expected):
+    fake_cuda(monkeypatch, capability)
+    fake_flashinfer(monkeypatch, version)
+    spec = AttentionSpec(**{**dict(num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16), **spec_kwargs})
+    reasons = FlashInferBackend.unavailable_reasons(spec, CUDA)
+    assert any(expected in r for r in reasons), reasons
+
+
+# ---- flash-attn variants -----------------------------------------------------------------------------------------
+
+
+def test_fa2_forces_block_size_256(monkeypatch, no_libs):
+    fake_cuda(monkeypatch, (8, 0))
+    fake_fa2(monkeypatch)
+    assert FlashAttnBackend.variant(CUDA).name == "FA2"
+    assert FlashAttnBackend.supported_block_sizes == (256,)
+    assert FlashAttnBackend.unavailable_reasons(SPEC, CUDA) == []
+    assert registry.select_backend("auto", SPEC, CUDA) is FlashAttnBackend
+
+
+def test_fa4_is_preferred_over_fa2(monkeypatch, no_libs):
+    fake_cuda(monkeypatch, (9, 0))
+    fake_fa2(monkeypatch, package=fake_fa4(monkeypatch))
+    assert FlashAttnBackend.variant(CUDA).name == "FA4"
+    assert FlashAttnBackend.supported_block_sizes[0] == 128
+    assert FlashAttnBackend.unavailable_reasons(SPEC, CUDA) == []
+
+
+def test_fa4_on_ampere_falls_back_to_fa2(monkeypatch, no_libs):
+    fake_cuda(monkeypatch, (8, 0))
+    fake_fa2(monkeypatch, package=fake_fa4(monkeypatch))
+    variant, notes = detect_variant((8, 0))
+    assert variant.name == "FA2"
+    assert any(note.startswith("FA4: installed") for note in notes)
+    assert FlashAttnBackend.supported_block_sizes == (256,)
+
+
+def test_fa4_alone_on_ampere_is_a_gpu_arch_reason(monkeypatch, no_libs):
+    fake_cuda(monkeypatch, (8, 6))
+    fake_fa4(monkeypatch)
+    reasons = FlashAttnBackend.unavailable_reasons(SPEC, CUDA)
+    assert any("sm86" in r and "sm9x" in r for r in reasons), reasons
+
+
+def test_fa2_without_paging_is_too_old(monkeypatch, no_libs):
+    fake_cuda(monkeypatch, (8, 0))
+    fake_fa2(monkeypatch, fn=fa2_varlen_without_paging)
+    reasons = FlashAttnBackend.unavailable_reasons(SPEC, CUDA)
+    assert any("block_table" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("head_dim, capability, ok", [(80, (9, 0), True), (192, (10, 0), False), (512, (9, 0), False)])
+def test_fa4_head_dims(monkeypatch, no_libs, head_dim, capability, ok):
+    fake_cuda(monkeypatch, capability)
+    fake_fa4(monkeypatch)
+    spec = AttentionSpec(num_heads=8, num_kv_heads=8, head_dim=head_dim, dtype=torch.float16)
+    reasons = FlashAttnBackend.unavailable_reasons(spec, CUDA)
+    assert (reasons == []) is ok, reasons
+
+
+def test_flash_attn_is_second_in_auto_order(monkeypatch, no_libs):
+    fake_cuda(monkeypatch)
+    fake_fa4(monkeypatch)
+    assert registry.select_backend("auto", SPEC, CUDA) is FlashAttnBackend
+    fake_flashinfer(monkeypatch)
+    assert registry.auto_candidates(SPEC, CUDA)[:2] == [FlashInferBackend, FlashAttnBackend]
+
+
+# ---- autotune ----------------------------------------------------------------------------------------------------
+
+
+def test_autotune_on_cpu_returns_sole_candidate():
+    chosen, timings = autotune_backends([TorchAttentionBackend], SPEC, CPU, 16)
+    assert chosen is TorchAttentionBackend
+    assert timings == {}
+
+
+def test_synthetic_metadata_pads_like_the_runner():
+    meta, num_blocks = synthetic_step_metadata([(5, 1), (20, 1)], 16, CPU, pad_rows_to=4)
+    assert meta.num_seqs == 2 and meta.num_tokens == 2
+    assert meta.slot_mapping.tolist()[2:] == [-1, -1]
+    assert meta.seq_lens.tolist() == [6, 21, 0, 0]
+    assert meta.block_tables[2:].abs().sum() == 0
+    assert num_blocks == 1 + 1 + 2
+    assert 0 not in meta.block_tables[:2, :1].tolist()
+
+
+# ---- host-side logic on CPU, through fakes that compute what the real kernels document ----------------------------
+
+CPU_SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+CPU_SCENARIOS = {
+    "decode": ([(0, 1), (5, 1), (17, 1), (40, 1), (300, 1)], None),
+    "prefill_with_prefix": ([(0, 7), (20, 13), (33, 16)], None),
+    "mixed": ([(45, 1), (0, 9), (16, 17), (3, 1)], None),
+    "graph_padded_decode": ([(3, 1), (40, 1), (129, 1)], 6),
+}
+LAYER_PARAMS = [(0, 0.0), (5, 0.0), (0, 2.0), (5, 2.0)]  # (sliding_window, softcap)
+
+
+def paged_reference(q, k_cache, v_cache, q_bounds, kv_pages, kv_lens, scale, window_left, softcap):
+    """Causal attention with the query block aligned to the end of each sequence's KV (the kernels' convention);
+    window_left: a query at position p sees keys at positions >= p - window_left (-1: all)."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    for (start, end), pages, kv_len in zip(q_bounds, kv_pages, kv_lens, strict=True):
+        k = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)
+        v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end], k) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(end - start)[:, None] + kv_len - (end - start)
+        k_pos = torch.arange(kv_len)[None, :]
+        mask = k_pos <= q_pos
+        if window_left >= 0:
+            mask &= q_pos - k_pos <= window_left
+        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~mask, float("-inf")), -1), v)
+    return out
+
+
+class _FakeFlashInferWrapper:
+    """Keeps what plan() got (or, in CUDA-graph mode, copies it into the caller's buffers, read back by run())."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 backend="auto", jit_args=None):
+        assert kv_layout == "NHD"
+        self.use_cuda_graph = use_cuda_graph
+        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.int_workspace = None
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer):
+        self.int_workspace = int_workspace_buffer
+
+    def _keep(self, qo_indptr, indptr, indices, last_page_len, page_size, window_left, logits_soft_cap, sm_scale):
+        if self.use_cuda_graph:
+            indptr_buf, indices_buf, last_buf = self.buffers
+            assert len(last_page_len) == len(last_buf), "batch size must match the graph wrapper's"
+            indptr_buf.copy_(indptr)
+            indices_buf[: len(indices)].copy_(indices)
+            last_buf.copy_(last_page_len)
+            indptr, indices, last_page_len = self.buffers
+        self.plan_args = (qo_indptr, indptr, indices, last_page_len, page_size, window_left,
+                          logits_soft_cap or 0.0, sm_scale)
+
+    def run(self, q, paged_kv_cache, *args, out=None, **kwargs):
+        qo_indptr, indptr, indices, last_page_len, page_size, window_left, softcap, scale = self.plan_args
+        batch = len(last_page_len)
+        qo = qo_indptr.tolist() if qo_indptr is not None else list(range(batch + 1))
+        assert q.shape[0] == qo[-1] and out.shape == q.shape
+        ptr = indptr.tolist()
+        pages = [indices[ptr[i] : ptr[i + 1]].long() for i in range(batch)]
+        kv_lens = [(len(p) - 1) * page_size + int(last_page_len[i]) for i, p in enumerate(pages)]
+        k_cache, v_cache = paged_kv_cache
+        out.copy_(paged_reference(q, k_cache, v_cache, list(itertools.pairwise(qo)), pages, kv_lens, scale,
+                                  window_left, softcap))
+        return out
+
+
+class FakeDecodeWrapper(_FakeFlashInferWrapper):
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             non_blocking=True, block_tables=None, seq_lens=None, fixed_split_size=None, disable_split_kv=False):
+        self._keep(None, indptr, indices, last_page_len, page_size, window_left, logits_soft_cap, sm_scale)
+
+
+class FakePrefillWrapper(_FakeFlashInferWrapper):
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+             head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
+             pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+             o_data_type=None, non_blocking=True):
+        assert causal
+        self._keep(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size, window_left,
+                   logits_soft_cap, sm_scale)
+
+
+def fa_reference(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, page_table, scale, window_size, softcap, causal):
+    assert causal and window_size[1] in (0, -1, None)
+    page_size = k_cache.shape[1]
+    cu = cu_seqlens_q.tolist()
+    kv_lens = seqlens_k.tolist()
+    pages = [page_table[i, : -(-n // page_size)].long() for i, n in enumerate(kv_lens)]
+    window_left = -1 if window_size[0] is None else window_size[0]
+    return paged_reference(q, k_cache, v_cache, list(itertools.pairwise(cu)), pages, kv_lens, scale, window_left,
+                           softcap)
+
+
+def fake_fa4_semantics(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                       max_seqlen_k=None, min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None,
+                       page_table=None, softmax_scale=None, causal=False, window_size=(None, None),
+                       learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
+                       return_lse=False):
+    assert q.shape[0] == cu_seqlens_q[-1] and page_table.dtype == torch.int32
+    return fa_reference(q, k, v, cu_seqlens_q, seqused_k, page_table, softmax_scale, window_size, softcap,
+                        causal), None
+
+
+def fake_fa2_semantics(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                       softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                       deterministic=False, return_attn_probs=False, block_table=None):
+    assert k.shape[1] % 256 == 0
+    lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    assert int(lens.max()) <= max_seqlen_k
+    return fa_reference(q, k, v, cu_seqlens_q, lens, block_table, softmax_scale, window_size, softcap, causal)
+
+
+def fake_fa3_semantics(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                       cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                       q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                       window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                       scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0, return_softmax_lse=False):
+    return fa_reference(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, page_table, softmax_scale, window_size,
+                        softcap, causal)
+
+
+def install_flash_attn_variant(monkeypatch, variant):
+    if variant == "FA4":
+        fake_fa4(monkeypatch).__dict__.clear()
+        sys.modules["flash_attn.cute"].flash_attn_varlen_func = fake_fa4_semantics
+        sys.modules["flash_attn"].__path__ = []
+    elif variant == "FA3":
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", types.ModuleType("flash_attn_interface"))
+        sys.modules["flash_attn_interface"].flash_attn_with_kvcache = fake_fa3_semantics
+    else:
+        fake_fa2(monkeypatch, fn=fake_fa2_semantics)
+
+
+@pytest.fixture
+def cpu_flashinfer(monkeypatch, no_libs):
+    from hf_accel.attention import flashinfer_backend
+
+    fake_flashinfer(monkeypatch)
+    sys.modules["flashinfer"].BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
+    sys.modules["flashinfer"].BatchPrefillWithPagedKVCacheWrapper = FakePrefillWrapper
+    monkeypatch.setattr(flashinfer_backend, "FLOAT_WORKSPACE_BYTES", 64)
+    monkeypatch.setattr(flashinfer_backend, "INT_WORKSPACE_BYTES", 64)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def _run_layers(backend, seqs, pad_rows_to, block_size, graph_sizes=()):
+    """One step through `backend` and the torch reference for every LAYER_PARAMS combination, twice (the second
+    step re-plans in prepare() what the first planned lazily)."""
+    torch.manual_seed(0)
+    meta, num_blocks = synthetic_step_metadata(seqs, block_size, CPU, pad_rows_to=pad_rows_to,
+                                               generator=torch.Generator().manual_seed(0))
+    shape = (num_blocks, block_size, CPU_SPEC.num_kv_heads, CPU_SPEC.head_dim)
+    k_cache, v_cache = torch.randn(shape), torch.randn(shape)
+    query = torch.randn(meta.slot_mapping.shape[0], CPU_SPEC.num_heads, CPU_SPEC.head_dim)
+    reference = TorchAttentionBackend(CPU_SPEC, CPU, block_size, meta.num_seqs, meta.num_tokens,
+                                      meta.block_tables.shape[1])
+    reference.prepare(meta)
+    scale = CPU_SPEC.head_dim**-0.5
+    for _ in range(2):
+        backend.prepare(meta)
+        for window, softcap in LAYER_PARAMS:
+            out, expected = torch.zeros_like(query), torch.zeros_like(query)
+            backend.forward(query, k_cache, v_cache, meta, out, scale, window, softcap)
+            reference.forward(query, k_cache, v_cache, meta, expected, scale, window, softcap)
+            torch.testing.assert_close(out[: meta.num_tokens], expected[: meta.num_tokens], atol=1e-4, rtol=1e-4)
+    return meta
+
+
+@pytest.mark.parametrize("scenario", list(CPU_SCENARIOS))
+def test_flashinfer_plans_match_reference(cpu_flashinfer, scenario):
+    seqs, pad_rows_to = CPU_SCENARIOS[scenario]
+    backend = FlashInferBackend(CPU_SPEC, CPU, 16, max_num_seqs=8, max_num_tokens=64, max_blocks_per_seq=32)
+    if pad_rows_to:
+        backend.set_cudagraph_batch_sizes([pad_rows_to, 8])
+    _run_layers(backend, seqs, pad_rows_to, 16)
+    wrappers = set(map(id, backend._planned.values()))
+    assert len(wrappers) == len(LAYER_PARAMS)  # one plan per (window, softcap, scale), not per layer
+    kinds = {type(w).__name__ for w in backend._planned.values()}
+    assert kinds == {"FakePrefillWrapper" if scenario in ("prefill_with_prefix", "mixed") else "FakeDecodeWrapper"}
+    assert all(w.use_cuda_graph == (pad_rows_to is not None) for w in backend._planned.values())
+    if pad_rows_to:  # padded rows: one page, the null block, one token
+        n = len(seqs)
+        assert backend._graph_kv_last_page_len[n:pad_rows_to].tolist() == [1] * (pad_rows_to - n)
+        indptr = backend._graph_kv_indptr[: pad_rows_to + 1].tolist()
+        assert backend._graph_kv_indices[indptr[n] : indptr[-1]].tolist() == [0] * (pad_rows_to - n)
+        assert backend.get_decode_wrapper_for(pad_rows_to) is backend._planned[(-1, 0.0, CPU_SPEC.head_dim**-0.5)]
+
+
+def test_flashinfer_graph_capture_needs_declared_size(cpu_flashinfer, monkeypatch):
+    backend = FlashInferBackend(CPU_SPEC, CPU, 16, max_num_seqs=8, max_num_tokens=64, max_blocks_per_seq=32)
+    meta, num_blocks = synthetic_step_metadata([(3, 1), (9, 1)], 16, CPU, pad_rows_to=4)
+    shape = (num_blocks, 16, CPU_SPEC.num_kv_heads, CPU_SPEC.head_dim)
+    query = torch.randn(4, CPU_SPEC.num_heads, CPU_SPEC.head_dim)
+    backend.prepare(meta)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="set_cudagraph_batch_sizes"):
+        backend.forward(query, torch.zeros(shape), torch.zeros(shape), meta, torch.empty_like(query), 0.25, 0, 0.0)
+
+
+@pytest.mark.parametrize("variant, block_size", [("FA4", 128), ("FA3", 16), ("FA2", 256)])
+@pytest.mark.parametrize("scenario", list(CPU_SCENARIOS))
+def test_flash_attn_variants_match_reference(monkeypatch, no_libs, variant, block_size, scenario):
+    install_flash_attn_variant(monkeypatch, variant)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert FlashAttnBackend.variant(CPU).name == variant
+    assert FlashAttnBackend.supported_block_sizes[0] == block_size
+    seqs, pad_rows_to = CPU_SCENARIOS[scenario]
+    backend = FlashAttnBackend(CPU_SPEC, CPU, block_size, max_num_seqs=4, max_num_tokens=64, max_blocks_per_seq=32)
+    assert backend.supported_block_sizes[0] == block_size
+    if pad_rows_to:
+        backend.set_cudagraph_batch_sizes([2, pad_rows_to])
+        assert backend._capacity == pad_rows_to
+    meta = _run_layers(backend, seqs, pad_rows_to, block_size)
+    if pad_rows_to:  # padded rows read one token of the null block
+        n = len(seqs)
+        assert backend._seqused_k[n:pad_rows_to].tolist() == [1] * (pad_rows_to - n)
+        assert backend._page_table[n:pad_rows_to].abs().sum() == 0
+        assert backend._capacity >= meta.seq_lens.shape[0]
+
+
+# ---- GPU parity against the torch reference ----------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GPU_SPECS = {
+    "gqa4-d128": AttentionSpec(num_heads=16, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16),
+    "gqa8-d256": AttentionSpec(num_heads=16, num_kv_heads=2, head_dim=256, dtype=torch.bfloat16),
+}
+SCENARIOS = {
+    "decode": ([(0, 1), (5, 1), (17, 1), (100, 1), (333, 1), (1000, 1)], None),
+    "prefill_with_prefix": ([(0, 37), (48, 20), (130, 64)], None),
+    "mixed": ([(200, 1), (0, 50), (64, 33), (10, 1)], None),
+    "graph_padded_decode": ([(3, 1), (40, 1), (129, 1), (7, 1), (260, 1)], 8),
+}
+
+
+def _backend_class(name: str):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if name == "flashinfer":
+        pytest.importorskip("flashinfer")
+    cls, err = registry.load_backend_class(name)
+    assert cls is not None, err
+    reasons = cls.unavailable_reasons(None, CUDA)
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    return cls
+
+
+def _make_backend(cls, spec, block_size, rows, max_blocks, graph_sizes=()):
+    backend = cls(spec, CUDA, block_size, max_num_seqs=rows, max_num_tokens=4096, max_blocks_per_seq=max_blocks)
+    if graph_sizes and hasattr(backend, "set_cudagraph_batch_sizes"):
+        backend.set_cudagraph_batch_sizes(list(graph_sizes))
+    return backend
+
+
+def _case(spec, seqs, block_size, pad_rows_to=None, seed=0):
+    meta, num_blocks = synthetic_step_metadata(seqs, block_size, CUDA, pad_rows_to=pad_rows_to,
+                                               generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    k_cache = torch.randn(shape, device=CUDA, dtype=spec.dtype, generator=gen)
+    v_cache = torch.randn(shape, device=CUDA, dtype=spec.dtype, generator=gen)
+    rows = meta.slot_mapping.shape[0]
+    query = torch.randn(rows, spec.num_heads, spec.head_dim, device=CUDA, dtype=spec.dtype, generator=gen)
+    return meta, query, k_cache, v_cache
+
+
+def _reference(spec, meta, query, k_cache, v_cache, window, softcap):
+    ref = TorchAttentionBackend(spec, CUDA, meta.block_size, meta.num_seqs, meta.num_tokens,
+                                meta.block_tables.shape[1])
+    out = torch.zeros_like(query)
+    ref.prepare(meta)
+    ref.forward(query, k_cache, v_cache, meta, out, spec.head_dim**-0.5, window, softcap)
+    return out[: meta.num_tokens]
+
+
+def _assert_close(actual, expected):
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("backend_name", ["flashinfer", "flash_attn"])
+@pytest.mark.parametrize("spec_name", list(GPU_SPECS))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_matches_torch(backend_name, spec_name, scenario):
+    cls = _backend_class(backend_name)
+    spec = GPU_SPECS[spec_name]
+    seqs, pad_rows_to = SCENARIOS[scenario]
+    block_size = cls.supported_block_sizes[0]
+    meta, query, k_cache, v_cache = _case(spec, seqs, block_size, pad_rows_to)
+    rows = meta.slot_mapping.shape[0]
+    backend = _make_backend(cls, spec, block_size, rows, meta.block_tables.shape[1],
+                            graph_sizes=[pad_rows_to] if pad_rows_to else ())
+    out = torch.zeros_like(query)
+    backend.prepare(meta)
+    backend.forward(query, k_cache, v_cache, meta, out, spec.head_dim**-0.5, 0, 0.0)
+    _assert_close(out[: meta.num_tokens], _reference(spec, meta, query, k_cache, v_cache, 0, 0.0))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("backend_name", ["flashinfer", "flash_attn"])
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+def test_window_and_softcap_layers_in_one_step(backend_name, scenario):
+    """gemma2-like: sliding, softcapped and plain layers share one prepare(); each matches the reference."""
+    cls = _backend_class(backend_name)
+    spec = GPU_SPECS["gqa4-d128"]
+    seqs, _ = SCENARIOS[scenario]
+    block_size = cls.supported_block_sizes[0]
+    meta, query, k_cache, v_cache = _case(spec, seqs, block_size, seed=1)
+    backend = _make_backend(cls, spec, block_size, meta.num_seqs, meta.block_tables.shape[1])
+    for _ in range(2):  # the second step re-plans every combination in prepare()
+        backend.prepare(meta)
+        for window, softcap in [(24, 0.0), (0, 30.0), (0, 0.0), (24, 30.0)]:
+            out = torch.zeros_like(query)
+            backend.forward(query, k_cache, v_cache, meta, out, spec.head_dim**-0.5, window, softcap)
+            _assert_close(out[: meta.num_tokens], _reference(spec, meta, query, k_cache, v_cache, window, softcap))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("backend_name", ["flashinfer", "flash_attn"])
+def test_cuda_graph_decode_replays_new_metadata(backend_name):
+    """Capture a padded decode batch once, replay it on other sequences: the plan/buffers follow prepare()."""
+    cls = _backend_class(backend_name)
+    spec = GPU_SPECS["gqa4-d128"]
+    block_size = cls.supported_block_sizes[0]
+    batch = 8
+    first = _case(spec, [(3, 1), (40, 1), (129, 1), (7, 1), (260, 1)], block_size, pad_rows_to=batch, seed=2)
+    second = _case(spec, [(300, 1), (1, 1), (77, 1), (500, 1), (16, 1), (2, 1), (999, 1)], block_size,
+                   pad_rows_to=batch, seed=3)
+    max_blocks = max(first[0].block_tables.shape[1], second[0].block_tables.shape[1])
+    backend = _make_backend(cls, spec, block_size, batch, max_blocks, graph_sizes=[batch])
+    num_blocks = max(first[2].shape[0], second[2].shape[0])
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    k_cache = torch.randn(shape, device=CUDA, dtype=spec.dtype)
+    v_cache = torch.randn(shape, device=CUDA, dtype=spec.dtype)
+    query = torch.zeros_like(first[1])
+    out = torch.zeros_like(query)
+    scale = spec.head_dim**-0.5
+
+    meta = first[0]
+    query.copy_(first[1])
+    backend.prepare(meta)
+    backend.forward(query, k_cache, v_cache, meta, out, scale, 0, 0.0)  # warm-up: plans, compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    backend.prepare(meta)
+    with torch.cuda.graph(graph):
+        backend.forward(query, k_cache, v_cache, meta, out, scale, 0, 0.0)
+
+    for meta, q, _, _ in (first, second):
+        query.copy_(q)
+        backend.prepare(meta)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out[: meta.num_tokens], _reference(spec, meta, query, k_cache, v_cache, 0, 0.0))
+
+
+class _FailingBackend(TorchAttentionBackend):
+    name = "failing"
+
+    def forward(self, *args, **kwargs) -> None:
+        raise RuntimeError("boom")
+
+
+@gpu
+@needs_cuda
+def test_autotune_times_candidates_and_drops_failures():
+    spec = GPU_SPECS["gqa4-d128"]
+    candidates = [*registry.auto_candidates(spec, CUDA), _FailingBackend]
+    chosen, timings = autotune_backends(candidates, spec, CUDA, 16, num_decode_seqs=8, decode_context=256,
+                                        prefill_tokens=512, time_budget_s=1.0)
+    assert chosen in candidates and chosen is not _FailingBackend
+    assert "boom" in timings["failing"]["error"]
+    for cls in candidates[:-1]:
+        entry = timings[cls.name]
+        assert "error" in entry or entry["decode_ms"] > 0 and entry["prefill_ms"] > 0
+    assert "score" in timings[chosen.name]

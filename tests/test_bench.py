@@ -1,0 +1,240 @@
+"""hf-accel bench: the roofline arithmetic, the inputs, and end-to-end runs of the tiny shape on CPU."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_accel import bench
+
+API_LANDED = (Path(bench.__file__).parent / "api.py").exists()
+TINY = ["--shape", "tiny", "--repeats", "1", "--warmup", "1", "--num-kv-blocks", "256", "--no-progress",
+        "--device", "cpu"]
+
+
+# ------------------------------------------------------------------------------------------------- roofline
+def _meta_model(shape: str, dtype: torch.dtype = torch.bfloat16):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(bench.shape_config(shape), dtype=dtype)
+
+
+@pytest.mark.parametrize(("shape", "workload", "expected"), [
+    ("qwen3-0.6b", "w1", 3_500), ("llama-3.1-8b", "w1", 265),
+    ("qwen3-0.6b", "w2", 88_000), ("llama-3.1-8b", "w2", 14_900),
+])
+def test_roofline_matches_workloads_md(shape: str, workload: str, expected: float) -> None:
+    """WORKLOADS.md's roofline row at 4.25 TB/s (every weight once per step + each sequence's KV)."""
+    model = _meta_model(shape)
+    spec = bench.SCALES["full"][workload]
+    got = bench.decode_roofline_tokens_per_s(bench.weight_bytes(model), bench.kv_bytes_per_token(model.config,
+                                             torch.bfloat16), spec.prompt_lengths(), spec.new_tokens, 4.25e12)
+    assert got == pytest.approx(expected, rel=0.03)
+
+
+def test_roofline_w3_order_of_magnitude() -> None:
+    """WORKLOADS.md says ~39,000 for W3 0.6b; the pure decode bound is a little higher (prefill not counted)."""
+    model = _meta_model("qwen3-0.6b")
+    spec = bench.SCALES["full"]["w3"]
+    got = bench.decode_roofline_tokens_per_s(bench.weight_bytes(model), bench.kv_bytes_per_token(
+        model.config, torch.bfloat16), spec.prompt_lengths(), spec.new_tokens, 4.25e12, max_batch=256)
+    assert 39_000 <= got <= 46_000
+
+
+def test_roofline_arithmetic_by_hand() -> None:
+    # one sequence, prompt 10, 3 new tokens: KV read 10 + 11 + 12 = 33 tokens, weights read 3 times
+    got = bench.decode_roofline_tokens_per_s(100, 2, [10], 3, bandwidth=1000.0)
+    assert got == pytest.approx(3 * 1000.0 / (3 * 100 + 2 * 33))
+    # two waves of one: twice the weight traffic of one wave of two, same KV
+    one_wave = bench.decode_roofline_tokens_per_s(100, 2, [10, 20], 3, bandwidth=1000.0)
+    two_waves = bench.decode_roofline_tokens_per_s(100, 2, [10, 20], 3, bandwidth=1000.0, max_batch=1)
+    assert one_wave == pytest.approx(6 * 1000.0 / (3 * 100 + 2 * (30 * 3 + 2 * 3)))
+    assert one_wave > two_waves
+    assert two_waves == pytest.approx(6 * 1000.0 / (6 * 100 + 2 * (30 * 3 + 2 * 3)))
+    with pytest.raises(ValueError):
+        bench.decode_roofline_tokens_per_s(100, 2, [], 3, bandwidth=1000.0)
+
+
+def test_weight_and_kv_bytes() -> None:
+    qwen = _meta_model("qwen3-0.6b")
+    assert bench.weight_bytes(qwen) == 596_049_920 * 2  # tied embedding counted once
+    assert bench.kv_bytes_per_token(qwen.config, torch.bfloat16) == 2 * 28 * 8 * 128 * 2
+    llama = _meta_model("llama-3.1-8b")
+    assert bench.kv_bytes_per_token(llama.config, torch.float32) == 2 * 32 * 8 * 128 * 4
+
+
+# --------------------------------------------------------------------------------------------------- inputs
+def test_inputs_follow_the_seeds() -> None:
+    w3 = bench.SCALES["full"]["w3"]
+    rng = random.Random(0)
+    assert w3.prompt_lengths() == [rng.randint(100, 1024) for _ in range(256)]
+    assert w3.expected_tokens == 256 * 512
+    prompts = bench.random_prompts([5, 300], seed=3, vocab_size=151936)
+    assert prompts == bench.random_prompts([5, 300], seed=3, vocab_size=151936)
+    assert [len(p) for p in prompts] == [5, 300]
+    assert all(10 <= t < 10000 for p in prompts for t in p)
+    tiny = bench.random_prompts([2000], seed=0, vocab_size=1000)[0]
+    assert min(tiny) >= 10 and max(tiny) < 1000
+    assert bench.shape_config("llama-3.1-8b").eos_token_id is None
+
+
+def test_parse_list() -> None:
+    assert bench.parse_list("all", bench.WORKLOAD_NAMES, "workload", all_value="all") == list(bench.WORKLOAD_NAMES)
+    assert bench.parse_list("w3,w1", bench.WORKLOAD_NAMES, "workload") == ["w1", "w3"]
+    assert bench.parse_list("none", bench.ANCHOR_NAMES, "anchor") == []
+    with pytest.raises(ValueError):
+        bench.parse_list("w9", bench.WORKLOAD_NAMES, "workload")
+
+
+def test_agreement() -> None:
+    assert bench.agreement([[1, 2, 3]], [[1, 2, 3]])["rows_equal"] == 1
+    a = bench.agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
+    assert a["rows_equal"] == 1 and a["first_divergence"] == {"row": 1, "step": 1}
+    assert a["mean_common_prefix"] == 2.0
+
+
+def test_plot_without_matplotlib_is_a_clear_usage_error(monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert bench.main(["--plot", str(tmp_path / "p.png"), *TINY]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------------- end to end (fake API)
+def _fake_api(corrupt: bool) -> types.ModuleType:
+    """Stands in for hf_accel.api: 'accelerates' by wrapping generate; `corrupt` makes our tokens wrong."""
+    api = types.ModuleType("hf_accel.api")
+
+    def accelerate_model(model, **kw):
+        stock = type(model).generate
+        backend = kw.get("attention_backend", "auto")
+
+        def generate(self, *a, **k):
+            out = stock(self, *a, **k)
+            if corrupt and backend != "torch":
+                out = out.clone()
+                out[:, -1] = (out[:, -1] + 1) % 1000
+            return out
+
+        model.generate = types.MethodType(generate, model)
+        model._fake_backend = backend
+        return model
+
+    def restore(model):
+        model.__dict__.pop("generate", None)
+        model.__dict__.pop("_fake_backend", None)
+        return model
+
+    def engine_info(model):
+        return {"attention_backend": model._fake_backend, "cudagraph_mode": "none", "compile": False,
+                "startup": {"patch_s": 0.0, "kv_cache_s": 0.0, "compile_s": 0.0, "capture_s": 0.0, "total_s": 0.0}}
+
+    api.accelerate_model, api.restore, api.engine_info = accelerate_model, restore, engine_info
+    return api
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_guard_marks_wrong_tokens_invalid(monkeypatch, tmp_path, corrupt: bool) -> None:
+    monkeypatch.setitem(sys.modules, "hf_accel.api", _fake_api(corrupt))
+    path = tmp_path / "b.json"
+    rc = bench.main(["--workload", "w1", "--json", str(path), "--anchors", "eager", *TINY, "--warmup", "0"])
+    report = json.loads(path.read_text())
+    ours = [report["workloads"]["w1"]["methods"]["ours"]]
+    assert report["guard"]["passed"] is (not corrupt)
+    assert rc == (1 if corrupt else 0)
+    for rec in ours:
+        assert rec["valid"] is (not corrupt)
+        assert (rec["median_tokens_per_s"] is None) is corrupt
+        assert len(rec["run_s"]) == 1 and rec["warmup_s"] == [] and rec["tokens"] == [32]
+    assert report["workloads"]["w1"]["methods"]["eager"]["valid"] is True  # the stock anchor is unaffected
+    if corrupt:
+        assert report["guard"]["cases"]["batch1"]["agreement"]["first_divergence"] == {"row": 0, "step": 7}
+
+
+# ------------------------------------------------------------------------------------- end to end (real API)
+needs_api = pytest.mark.skipif(not API_LANDED, reason="hf_accel/api.py not there yet")
+
+
+@needs_api
+def test_bench_w1_tiny_cpu(tmp_path, capsys) -> None:
+    path = tmp_path / "b.json"
+    rc = bench.main(["--workload", "w1", "--json", str(path), "--anchors", "eager,static", "--anchor-warmup", "0",
+                     *TINY])
+    out = capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert rc == 0, out
+
+    versions = report["env"]["versions"]
+    for lib in ("torch", "transformers", "triton", "flashinfer", "flash-attn"):
+        assert versions[lib]  # a version or "absent"
+    assert versions["torch"] == torch.__version__
+    assert "gpu_name" in report["env"]
+
+    assert report["accel"]["config"]["num_kv_blocks"] == 256  # the resolved AccelConfig
+    info = report["accel"]["engine_info"]
+    assert info["attention_backend"] and "startup" in info
+
+    assert report["guard"]["passed"] is True
+    w1 = report["workloads"]["w1"]
+    assert w1["spec"]["num_requests"] == 1 and w1["spec"]["new_tokens"] == 32
+    assert set(w1["methods"]) == {"ours", "eager", "static"}
+    for name, rec in w1["methods"].items():
+        assert rec["valid"] is True
+        assert len(rec["run_s"]) == 1 and len(rec["warmup_s"]) == (1 if name == "ours" else 0)
+        assert rec["tokens"] == [32]
+        assert rec["median_tokens_per_s"] > 0
+    assert w1["ratios"]["ours/eager"] > 0
+    assert w1["roofline_tokens_per_s"] is None  # CPU: no HBM roofline
+    assert w1["agreement_with_stock"]["rows_equal"] == 1  # float32 on CPU: stock and ours agree exactly
+    assert "hf_accel" in out and "correctness guard: PASS" in out and "stock generate (eager, sdpa)" in out
+
+
+@needs_api
+def test_bench_startup_inline_tiny_cpu(tmp_path) -> None:
+    path = tmp_path / "s.json"
+    rc = bench.main(["--workload", "startup", "--startup-isolation", "inline", "--json", str(path), *TINY])
+    report = json.loads(path.read_text())
+    assert rc == 0
+    for phase in ("cold", "warm"):
+        rec = report["startup"][phase]
+        assert rec["valid"] is True
+        assert rec["total_s"] == pytest.approx(rec["accelerate_s"] + rec["first_token_s"])
+        assert set(rec["engine_startup"]) >= {"patch_s", "kv_cache_s", "compile_s", "capture_s", "total_s"}
+
+
+@needs_api
+def test_bench_w2_w3_tiny_cpu_without_anchors(tmp_path) -> None:
+    path = tmp_path / "b.json"
+    rc = bench.main(["--workload", "w2,w3", "--anchors", "none", "--json", str(path), *TINY, "--warmup", "0"])
+    report = json.loads(path.read_text())
+    assert rc == 0 and report["valid"] is True
+    assert set(report["guard"]["cases"]) == {"batch1", "ragged4", "batch8", "generate_batch"}
+    for w, expected in (("w2", 8 * 32), ("w3", 16 * 32)):
+        methods = report["workloads"][w]["methods"]
+        assert set(methods) == {"ours"}
+        assert methods["ours"]["tokens"] == [expected] and methods["ours"]["valid"] is True
+
+
+@needs_api
+@pytest.mark.slow
+def test_bench_startup_fresh_processes_tiny_cpu(tmp_path) -> None:
+    path = tmp_path / "s.json"
+    assert bench.main(["--workload", "startup", "--json", str(path), *TINY]) == 0
+    report = json.loads(path.read_text())
+    assert report["startup"]["isolation"] == "process"
+    assert all(report["startup"][p]["valid"] and report["startup"][p]["process_wall_s"] > 0 for p in ("cold", "warm"))
+
+
+def test_plot_from_a_report(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    report = {"model": {"name": "tiny"}, "env": {"gpu_name": None}, "startup": None, "workloads": {
+        "w1": {"spec": {"title": "W1 latency"}, "roofline_tokens_per_s": 1000.0, "methods": {
+            "ours": {"median_tokens_per_s": 500.0}, "eager": {"median_tokens_per_s": None}}}}}
+    bench.write_plot(report, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0

@@ -1,0 +1,557 @@
+"""The compilation layer: piecewise split + compile, Dynamo bypass, dispatcher, compile cache, CUDA graphs (GPU).
+
+CPU tests use tiny random Llama/Qwen3 models in float32 with the torch attention backend over a paged KV cache and a
+hand-built StepMetadata, and compare the compiled forward to the uncompiled one. The split and the Dynamo behaviour
+are checked with the "eager" piece compiler (fast); one test runs Inductor for real (the slow one, ~1 min cold).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import hf_accel.compilation.cache as cache_mod
+from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport
+from hf_accel.attention.context import ForwardContext, forward_context
+from hf_accel.attention.metadata import StepMetadata
+from hf_accel.attention.op import ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward
+from hf_accel.attention.torch_backend import TorchAttentionBackend
+from hf_accel.compilation.cache import (
+    INDUCTOR_SUBDIR,
+    KEY_FILE,
+    compile_cache_key,
+    setup_compile_cache,
+)
+from hf_accel.compilation.cuda_graph import FullCUDAGraphRunner, pad_to_capture_size, weak_ref_tensor
+from hf_accel.compilation.dispatcher import (
+    BatchKey,
+    CUDAGraphDispatcher,
+    RuntimeMode,
+    resolve_cudagraph_mode,
+)
+from hf_accel.compilation.piecewise import PiecewiseForward, compile_piecewise, graph_signature
+from hf_accel.config import CUDAGraphMode
+
+AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
+
+BLOCK = 16
+BLOCKS_PER_SEQ = 8
+COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+              max_position_embeddings=256)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_model(family: str, num_layers: int = 3, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=num_layers, **COMMON))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=num_layers, head_dim=16, **COMMON))
+    model.config._attn_implementation = ATTN_IMPLEMENTATION_NAME
+    return model.eval().to(device=device, dtype=dtype)
+
+
+def forward_fn_of(model):
+    def forward_fn(input_ids, position_ids, logits_indices):
+        return model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_indices,
+                     use_cache=False).logits
+
+    return forward_fn
+
+
+class PagedSteps:
+    """A runner in miniature: persistent input/metadata buffers, paged KV caches, one ForwardContext per step.
+
+    Sequence i owns blocks 1 + i * BLOCKS_PER_SEQ ...; cache contents start random, so steps with context read
+    (arbitrary but fixed) earlier K/V, identically for the eager and the compiled forward.
+    """
+
+    def __init__(self, model, backend_cls: type[AttentionBackend] = TorchAttentionBackend, max_tokens: int = 64,
+                 max_seqs: int = 8) -> None:
+        cfg = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        spec = AttentionSpec(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, self.dtype)
+        self.backend = backend_cls(spec, self.device, BLOCK, max_seqs, max_tokens, BLOCKS_PER_SEQ)
+        gen = torch.Generator().manual_seed(1)
+        num_blocks = 1 + max_seqs * BLOCKS_PER_SEQ
+        shape = (num_blocks, BLOCK, cfg.num_key_value_heads, head_dim)
+        self.kv_caches = [(torch.randn(shape, generator=gen).to(self.device, self.dtype),
+                           torch.randn(shape, generator=gen).to(self.device, self.dtype))
+                          for _ in range(cfg.num_hidden_layers)]
+        dev, i32, i64 = self.device, torch.int32, torch.int64
+        self.input_ids = torch.zeros(1, max_tokens, dtype=i64, device=dev)
+        self.positions = torch.zeros(1, max_tokens, dtype=i64, device=dev)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=i64, device=dev)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=i32, device=dev)
+        self.seq_lens = torch.zeros(max_seqs, dtype=i32, device=dev)
+        self.context_lens = torch.zeros(max_seqs, dtype=i32, device=dev)
+        self.block_tables = torch.zeros(max_seqs, BLOCKS_PER_SEQ, dtype=i32, device=dev)
+        self.logits_indices = torch.zeros(max_seqs, dtype=i64, device=dev)
+        self.vocab = cfg.vocab_size
+
+    def step(self, query_lens: list[int], context_lens: list[int] | None = None, pad_tokens_to: int | None = None,
+             pad_seqs_to: int | None = None, seed: int = 0):
+        """Fill the buffers for one step; returns (forward args as buffer views, ForwardContext)."""
+        context_lens = context_lens or [0] * len(query_lens)
+        b, t = len(query_lens), sum(query_lens)
+        tp, bp = pad_tokens_to or t, pad_seqs_to or b
+        gen = torch.Generator().manual_seed(seed)
+        seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
+        tables = torch.zeros(bp, BLOCKS_PER_SEQ, dtype=torch.int32)
+        positions, slots = [], []
+        for i in range(b):
+            tables[i] = torch.arange(1 + i * BLOCKS_PER_SEQ, 1 + (i + 1) * BLOCKS_PER_SEQ)
+            for p in range(context_lens[i], seq_lens[i]):
+                positions.append(p)
+                slots.append(int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK)
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        qsl += [min(t + 1 + j, tp) for j in range(bp - b)]  # padded rows: one (padding) token each
+        dev = self.device
+        self.input_ids[0, :tp] = 0
+        self.input_ids[0, :t] = torch.randint(0, self.vocab, (t,), generator=gen).to(dev)
+        self.positions[0, :tp] = 0
+        self.positions[0, :t] = torch.tensor(positions).to(dev)
+        self.slot_mapping[:tp] = -1
+        self.slot_mapping[:t] = torch.tensor(slots).to(dev)
+        self.query_start_loc[: bp + 1] = torch.tensor(qsl, dtype=torch.int32).to(dev)
+        self.seq_lens[:bp] = torch.tensor(seq_lens + [0] * (bp - b), dtype=torch.int32).to(dev)
+        self.context_lens[:bp] = torch.tensor(context_lens + [0] * (bp - b), dtype=torch.int32).to(dev)
+        self.block_tables[:bp] = tables.to(dev)
+        self.logits_indices[:bp] = torch.tensor(qsl[1 : bp + 1]).to(dev) - 1  # padded rows: a padding token
+        meta = StepMetadata(
+            num_tokens=t, num_seqs=b, max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=BLOCK,
+            query_start_loc=self.query_start_loc[: bp + 1], seq_lens=self.seq_lens[:bp],
+            context_lens=self.context_lens[:bp], block_tables=self.block_tables[:bp],
+            slot_mapping=self.slot_mapping[:tp], query_lens_cpu=list(query_lens), seq_lens_cpu=seq_lens)
+        self.backend.prepare(meta)
+        args = (self.input_ids[:, :tp], self.positions[:, :tp], self.logits_indices[:bp])
+        return args, ForwardContext(meta, self.backend, self.kv_caches)
+
+    def run(self, fn, query_lens, context_lens=None, **kw) -> torch.Tensor:
+        args, ctx = self.step(query_lens, context_lens, **kw)
+        with torch.inference_mode(), forward_context(ctx):
+            return fn(*args).clone()
+
+
+STEPS = [  # (query_lens, context_lens): prefill, single token, mixed prefill+decode, uniform decode
+    ([3], None),
+    ([1], None),
+    ([2, 7, 1], [0, 4, 20]),
+    ([1, 1, 1], [5, 17, 30]),
+    ([6, 4], [0, 0]),
+]
+
+
+def check_against_eager(steps: PagedSteps, eager, compiled, atol: float = 1e-5) -> None:
+    for query_lens, context_lens in STEPS:
+        ref = steps.run(eager, query_lens, context_lens)
+        out = steps.run(compiled, query_lens, context_lens)
+        assert out.shape == ref.shape == (1, len(query_lens), steps.vocab)
+        torch.testing.assert_close(out, ref, atol=atol, rtol=1e-4, msg=f"step {query_lens}/{context_lens}")
+    # padded tokens (as the runner pads T to a capture size) must not change the real rows
+    ref = steps.run(eager, [4, 3], [2, 0])
+    out = steps.run(compiled, [4, 3], [2, 0], pad_tokens_to=16)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=1e-4)
+
+
+def compile_on_example(steps: PagedSteps, pf: PiecewiseForward) -> torch.Tensor:
+    args, ctx = steps.step([5, 9], [0, 3])
+    with torch.inference_mode(), forward_context(ctx):
+        return pf.compile(*args)
+
+
+# ------------------------------------------------------------------------------------------------ split + Dynamo
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_split_one_cut_per_layer_and_matches_eager(family):
+    model = make_model(family, num_layers=3)
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model)
+    pf = compile_piecewise(eager, capture_sizes=[4, 8, 16], use_cudagraph=False, compiler="eager")
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    first = compile_on_example(steps, pf)
+    assert first.shape == (1, 2, 128)
+
+    layers = model.config.num_hidden_layers
+    assert pf.stats.num_attention == layers
+    assert pf.stats.num_pieces == layers + 1
+    assert pf.stats.num_compiled == 3  # first, middle (shared by the middle layers), last
+    assert pf.stats.num_graphable == layers  # the last piece gathers logits_indices (length N): no graph
+    for name in pf.attention_names:  # each attention submodule is exactly one attention op
+        sub = pf.split_gm._modules[name]  # the GraphModule (the attribute is its bound forward)
+        calls = [n for n in sub.graph.nodes if n.op == "call_function"]
+        assert len(calls) == 1 and "hf_accel" in str(calls[0].target)
+    assert pf.bypasses_dynamo
+
+    check_against_eager(steps, eager, pf)
+    assert pf.num_backend_calls == 1  # T=1, N=1 and other sizes: no re-trace
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+def test_dynamo_path_traces_once_for_several_sizes():
+    """Through Dynamo itself (guards on): HF code must not specialize on T or N (sizes >= 2)."""
+    model = make_model("llama", num_layers=2)
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model)
+    pf = compile_piecewise(eager, use_cudagraph=False, compiler="eager", bypass_dynamo=False)
+    compile_on_example(steps, pf)
+    assert not pf.bypasses_dynamo
+    for query_lens, context_lens in [([6, 5], [0, 2]), ([2, 3, 4], [1, 0, 9]), ([17, 2], None)]:
+        ref = steps.run(eager, query_lens, context_lens)
+        out = steps.run(pf, query_lens, context_lens)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    assert pf.num_backend_calls == 1
+
+
+def test_compile_rejects_degenerate_example_sizes():
+    model = make_model("llama", num_layers=2)
+    steps = PagedSteps(model)
+    pf = PiecewiseForward(forward_fn_of(model), compiler="eager")
+    args, ctx = steps.step([4])  # N = 1: Dynamo would specialize it
+    with torch.inference_mode(), forward_context(ctx), pytest.raises(ValueError, match="distinct dynamic sizes"):
+        pf.compile(*args)
+
+
+def test_graph_signature_ignores_names_not_structure():
+    def f(x, w):
+        return torch.relu(x @ w) + 1
+
+    def g(x, w):
+        return torch.sigmoid(x @ w) + 1
+
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    a, b, c = torch.fx.symbolic_trace(f), torch.fx.symbolic_trace(f), torch.fx.symbolic_trace(g)
+    assert graph_signature(a, [x, w]) == graph_signature(b, [x, w])
+    assert graph_signature(a, [x, w]) != graph_signature(c, [x, w])
+    assert graph_signature(a, [x, w]) != graph_signature(a, [x.double(), w])
+
+
+def test_inductor_piecewise_matches_eager_and_fills_compile_cache(tmp_path, monkeypatch):
+    """Inductor for real (cold: about a minute on 2 cores); also checks the compile cache directory fills up."""
+    monkeypatch.setattr(cache_mod, "source_hash", lambda: "fixed")  # others may edit hf_accel meanwhile
+    model = make_model("llama", num_layers=3)
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model)
+    info = setup_compile_cache(str(tmp_path), model.config, torch.float32, [4, 8])
+    try:
+        assert info.path is not None and not info.warm
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(info.path / INDUCTOR_SUBDIR)
+        pf = compile_piecewise(eager, capture_sizes=[4, 8], use_cudagraph=False, compiler="inductor")
+        compile_on_example(steps, pf)
+        assert pf.stats.num_compiled == 3 and pf.stats.num_pieces == 4
+        assert pf.bypasses_dynamo
+        check_against_eager(steps, eager, pf, atol=1e-4)
+        assert pf.num_backend_calls == 1
+        again = setup_compile_cache(str(tmp_path), model.config, torch.float32, [4, 8])
+        assert again.path == info.path and again.warm
+    finally:
+        info.restore_env()
+
+
+class _SimulatedGraph:
+    """CPU stand-in for a CUDA graph: replay re-runs the captured call on the capture-time arguments and writes the
+    results into the capture-time outputs, i.e. exactly the fixed-address semantics of a real graph."""
+
+    replaying = False
+
+    def __init__(self, fn, out) -> None:
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        _SimulatedGraph.replaying = True
+        try:
+            new = self.fn()
+        finally:
+            _SimulatedGraph.replaying = False
+        pairs = zip(self.out, new, strict=True) if isinstance(self.out, (tuple, list)) else [(self.out, new)]
+        for old, fresh in pairs:
+            if isinstance(old, torch.Tensor):
+                old.copy_(fresh)
+
+
+def test_piecewise_graph_data_flow_simulated_on_cpu(monkeypatch):
+    """Capture/replay bookkeeping of the piecewise graphs, with graphs simulated: every piece must read its inputs
+    from the addresses seen at capture (persistent buffers, outputs of earlier pieces) and still match eager."""
+    import hf_accel.compilation.piecewise as pw
+
+    def fake_capture(fn, pool):
+        out = fn()
+        return _SimulatedGraph(fn, out), out
+
+    monkeypatch.setattr(pw, "capture_graph", fake_capture)
+    monkeypatch.setattr(pw, "weak_ref_tree", lambda out: out)  # CPU memory is really freed: keep it owned
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(pw, "CaptureMemory", lambda: type("M", (), {"delta": lambda self: (0, 0)})())
+
+    model = make_model("llama", num_layers=3)
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model)
+    sizes = [8, 16]
+    pf = compile_piecewise(eager, capture_sizes=sizes, use_cudagraph=True, compiler="eager")
+    compile_on_example(steps, pf)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # after compiling: Dynamo would believe it
+
+    def run_dummy(size: int) -> None:
+        args, ctx = steps.step([size - 1, 1], seed=size)
+        with torch.inference_mode(), forward_context(ctx):
+            pf(*args)
+
+    pf.capture(None, run_dummy)
+    assert sorted(pf.stats.captured_sizes) == sizes and pf.graphs_enabled
+    assert [sorted(p.captures) for p in pf.pieces] == [sizes] * 3 + [[]]  # the logits piece has no graph
+    calls = []
+
+    def counting(f):  # count executions of the compiled code outside a replay
+        return lambda *a: (None if _SimulatedGraph.replaying else calls.append(1)) or f(*a)
+
+    for piece in pf.pieces[:3]:
+        piece.fn = counting(piece.fn)
+    for query_lens, context_lens in STEPS + [([4, 3], [2, 0]), ([9, 2], [0, 30])]:
+        ref = steps.run(eager, query_lens, context_lens)
+        out = steps.run(pf, query_lens, context_lens, pad_tokens_to=pad_to_capture_size(sum(query_lens), sizes))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4, msg=f"step {query_lens}/{context_lens}")
+    assert not calls  # every graphable piece ran from its (simulated) graph
+    # the forward's own inputs may come from other tensors: copied into the captured buffers
+    ref = steps.run(eager, [5, 3], [1, 2])
+    args, ctx = steps.step([5, 3], [1, 2], pad_tokens_to=8)
+    moved = [a.clone() for a in args]
+    steps.input_ids.zero_()
+    steps.positions.zero_()
+    with torch.inference_mode(), forward_context(ctx):
+        out = pf(*moved)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    # a size that was not captured runs the compiled pieces
+    torch.testing.assert_close(steps.run(pf, [6, 5], None), steps.run(eager, [6, 5], None), atol=1e-5, rtol=1e-4)
+    assert len(calls) == 3
+
+
+# ------------------------------------------------------------------------------------------------ dispatcher
+@pytest.mark.parametrize("mode,support,piecewise,expected,downgraded", [
+    ("full_and_piecewise", CUDAGraphSupport.UNIFORM_DECODE, True, CUDAGraphMode.FULL_AND_PIECEWISE, False),
+    ("full_and_piecewise", CUDAGraphSupport.NEVER, True, CUDAGraphMode.PIECEWISE, True),
+    ("full_and_piecewise", CUDAGraphSupport.UNIFORM_DECODE, False, CUDAGraphMode.FULL_DECODE_ONLY, True),
+    ("full_and_piecewise", CUDAGraphSupport.NEVER, False, CUDAGraphMode.NONE, True),
+    ("full", CUDAGraphSupport.ALWAYS, True, CUDAGraphMode.FULL, False),
+    ("full", CUDAGraphSupport.UNIFORM_DECODE, True, CUDAGraphMode.FULL_AND_PIECEWISE, True),
+    ("full", CUDAGraphSupport.UNIFORM_DECODE, False, CUDAGraphMode.FULL_DECODE_ONLY, True),
+    ("full", CUDAGraphSupport.NEVER, True, CUDAGraphMode.PIECEWISE, True),
+    ("full_decode_only", CUDAGraphSupport.UNIFORM_DECODE, False, CUDAGraphMode.FULL_DECODE_ONLY, False),
+    ("full_decode_only", CUDAGraphSupport.NEVER, True, CUDAGraphMode.NONE, True),
+    ("piecewise", CUDAGraphSupport.NEVER, True, CUDAGraphMode.PIECEWISE, False),
+    ("piecewise", CUDAGraphSupport.ALWAYS, False, CUDAGraphMode.NONE, True),
+    ("none", CUDAGraphSupport.ALWAYS, True, CUDAGraphMode.NONE, False),
+])
+def test_resolve_mode(mode, support, piecewise, expected, downgraded):
+    resolved, reason = resolve_cudagraph_mode(mode, support, piecewise_available=piecewise)
+    assert resolved == expected
+    assert (reason is not None) == downgraded
+
+
+def test_dispatch_full_and_piecewise():
+    d = CUDAGraphDispatcher("full_and_piecewise", [1, 2, 4, 8, 16, 32], CUDAGraphSupport.UNIFORM_DECODE,
+                            full_capture_sizes=[1, 2, 4, 8])
+    assert d.downgrade_reason is None
+    assert d.dispatch(3, uniform_decode=True) == d.dispatch(4, True)
+    assert d.dispatch(3, True).mode == RuntimeMode.FULL and d.dispatch(3, True).num_tokens == 4
+    assert d.dispatch(8, True).key == BatchKey(8, True)
+    # decode above the largest full size: piecewise, padded
+    assert (d.dispatch(9, True).mode, d.dispatch(9, True).num_tokens) == (RuntimeMode.PIECEWISE, 16)
+    # mixed batches: piecewise up to the largest capture size, then no graph at the exact size
+    assert (d.dispatch(3, False).mode, d.dispatch(3, False).num_tokens) == (RuntimeMode.PIECEWISE, 4)
+    assert (d.dispatch(32, False).mode, d.dispatch(32, False).num_tokens) == (RuntimeMode.PIECEWISE, 32)
+    assert (d.dispatch(33, False).mode, d.dispatch(33, False).num_tokens) == (RuntimeMode.NONE, 33)
+    assert d.full_capture_keys() == [BatchKey(s, True) for s in (1, 2, 4, 8)]
+    assert max(d.full_capture_keys()) == BatchKey(8, True)  # keys sort (FullCUDAGraphRunner captures largest first)
+    assert d.piecewise_sizes == [1, 2, 4, 8, 16, 32]
+    with pytest.raises(ValueError):
+        d.dispatch(0, True)
+
+
+def test_dispatch_downgrades_once_with_a_reason(caplog):
+    with caplog.at_level("WARNING", logger="hf_accel.compilation.dispatcher"):
+        d = CUDAGraphDispatcher("full_and_piecewise", [1, 2, 4], CUDAGraphSupport.NEVER, backend_name="torch")
+        for n in (1, 2, 3, 4, 5):
+            d.dispatch(n, uniform_decode=True)
+    lines = [r for r in caplog.records if "downgraded" in r.getMessage()]
+    assert len(lines) == 1 and "cannot run inside a CUDA graph" in lines[0].getMessage()
+    assert d.mode == CUDAGraphMode.PIECEWISE and d.full_capture_keys() == []
+    assert d.dispatch(1, True).mode == RuntimeMode.PIECEWISE
+    assert d.dispatch(5, True).mode == RuntimeMode.NONE
+
+
+def test_dispatch_full_mixed_and_none():
+    d = CUDAGraphDispatcher("full", [2, 4], CUDAGraphSupport.ALWAYS)
+    assert d.dispatch(3, False) == d.dispatch(4, False)
+    assert d.dispatch(3, False).mode == RuntimeMode.FULL and d.dispatch(3, False).key == BatchKey(4, False)
+    assert set(d.full_capture_keys()) == {BatchKey(2, True), BatchKey(4, True), BatchKey(2, False),
+                                          BatchKey(4, False)}
+    assert d.dispatch(5, True).mode == RuntimeMode.NONE
+    off = CUDAGraphDispatcher("none", [2, 4], CUDAGraphSupport.ALWAYS)
+    assert off.dispatch(1, True) .mode == RuntimeMode.NONE and off.dispatch(1, True).num_tokens == 1
+    empty = CUDAGraphDispatcher("piecewise", [], CUDAGraphSupport.NEVER)
+    assert empty.mode == CUDAGraphMode.NONE
+
+
+def test_pad_to_capture_size():
+    sizes = [1, 2, 4, 8, 16]
+    assert [pad_to_capture_size(n, sizes) for n in (1, 3, 4, 5, 16, 17)] == [1, 4, 4, 8, 16, None]
+    assert pad_to_capture_size(3, [8, 2, 4]) == 4
+    assert pad_to_capture_size(1, []) is None
+
+
+# ------------------------------------------------------------------------------------------------ cache
+def test_cache_key_stable_and_sensitive(monkeypatch):
+    monkeypatch.setattr(cache_mod, "source_hash", lambda: "v1")
+    cfg = LlamaConfig(num_hidden_layers=2, **COMMON)
+    key = compile_cache_key(cfg, torch.bfloat16, [1, 2, 4])
+    assert key == compile_cache_key(LlamaConfig(num_hidden_layers=2, **COMMON), torch.bfloat16, [4, 2, 1])
+    assert key != compile_cache_key(LlamaConfig(num_hidden_layers=3, **COMMON), torch.bfloat16, [1, 2, 4])
+    assert key != compile_cache_key(cfg, torch.float16, [1, 2, 4])
+    assert key != compile_cache_key(cfg, torch.bfloat16, [1, 2, 4, 8])
+    assert key != compile_cache_key(cfg, torch.bfloat16, [1, 2, 4], extra={"device": "NVIDIA H200"})
+    monkeypatch.setattr(cache_mod, "source_hash", lambda: "v2")  # an hf_accel source file changed
+    assert key != compile_cache_key(cfg, torch.bfloat16, [1, 2, 4])
+
+
+def test_source_hash_covers_the_package():
+    assert cache_mod.source_hash() == cache_mod.source_hash()
+    assert any(p.name == "hf_accel" for p in cache_mod._source_dirs())
+
+
+def test_setup_compile_cache_dirs(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "source_hash", lambda: "fixed")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cfg = LlamaConfig(num_hidden_layers=2, **COMMON)
+    off = setup_compile_cache("", cfg, torch.float32, [1])
+    assert off.path is None and not off.warm and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    info = setup_compile_cache(tmp_path, cfg, torch.float32, [1])
+    try:
+        assert info.path == tmp_path / info.key and not info.warm
+        assert json.loads((info.path / KEY_FILE).read_text())["dtype"] == "torch.float32"
+        (info.path / INDUCTOR_SUBDIR / "artifact").write_text("x")
+        assert setup_compile_cache(tmp_path, cfg, torch.float32, [1]).warm
+        other = setup_compile_cache(tmp_path, cfg, torch.float32, [1, 2])
+        assert other.path != info.path and not other.warm
+    finally:
+        info.restore_env()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("HF_ACCEL_CACHE_DIR", str(tmp_path / "root"))
+    default = setup_compile_cache(None, cfg, torch.float32, [1])
+    default.restore_env()
+    assert default.path == tmp_path / "root" / "compile" / default.key
+
+
+def test_weak_ref_tensor_aliases():
+    base = torch.arange(12.0).view(3, 4)
+    view = base[1:, 1:3]
+    weak = weak_ref_tensor(view)
+    assert weak.data_ptr() == view.data_ptr() and weak.shape == view.shape and weak.stride() == view.stride()
+    base[2, 2] = -1.0
+    assert weak[1, 1].item() == -1.0
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+class GraphSafeDecodeBackend(TorchAttentionBackend):
+    """Uniform decode attention with no host state (reads only the seq_lens/block_tables buffers), so a graph can
+    hold it; other batches (the compile example) take the torch backend's path."""
+
+    name = "test_graph_safe_decode"
+    cudagraph_support = CUDAGraphSupport.UNIFORM_DECODE
+
+    def prepare(self, meta: StepMetadata) -> None:
+        if not meta.is_uniform_decode:
+            super().prepare(meta)
+
+    def forward(self, query, k_cache, v_cache, meta, output, scale, sliding_window, softcap) -> None:
+        if not meta.is_uniform_decode:
+            return super().forward(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap)
+        b, num_heads, head_dim = query.shape  # one query token per (padded) sequence
+        num_kv_heads = k_cache.shape[2]
+        blocks = meta.block_tables[:b].long()
+        k = k_cache[blocks].flatten(1, 2).float()  # [B, L, Hkv, D]
+        v = v_cache[blocks].flatten(1, 2).float()
+        valid = torch.arange(k.shape[1], device=query.device)[None, :] < meta.seq_lens[:b, None]
+        q = query.float().view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.einsum("bhgd,blhd->bhgl", q, k) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows (seq_len 0) attend to nothing
+        out = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, num_heads, head_dim)
+        output.copy_(out.to(output.dtype))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_piecewise_graphs_match_eager():
+    model = make_model("llama", num_layers=3, device="cuda")
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model)
+    sizes = [4, 8, 16, 32]
+    pf = compile_piecewise(eager, capture_sizes=sizes, use_cudagraph=True, compiler="inductor")
+    compile_on_example(steps, pf)
+
+    def run_dummy(size: int) -> None:  # one prefill of `size` tokens, as the runner's warm-up would
+        args, ctx = steps.step([size])
+        with torch.inference_mode(), forward_context(ctx):
+            pf(*args)
+
+    pf.capture(sizes, run_dummy)
+    assert sorted(pf.stats.captured_sizes) == sizes
+    assert all(len(p.captures) == (len(sizes) if p.graphable else 0) for p in pf.pieces)
+    for query_lens, context_lens in STEPS + [([4, 3], [2, 0]), ([9, 9, 9], [0, 1, 2])]:
+        t = sum(query_lens)
+        padded = pad_to_capture_size(t, sizes)
+        ref = steps.run(eager, query_lens, context_lens)
+        out = steps.run(pf, query_lens, context_lens, pad_tokens_to=padded)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    ref = steps.run(eager, [40], None)  # above the largest size: compiled pieces without graphs
+    torch.testing.assert_close(steps.run(pf, [40], None), ref, atol=1e-4, rtol=1e-4)
+    # inputs that are not the captured buffers are allowed (copied into them)
+    ref = steps.run(eager, [5, 3], [1, 2])
+    args, ctx = steps.step([5, 3], [1, 2], pad_tokens_to=8)
+    moved = [a.clone() for a in args]
+    steps.input_ids.zero_()
+    steps.positions.zero_()
+    with torch.inference_mode(), forward_context(ctx):
+        out = pf(*moved).clone()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_full_graphs_for_uniform_decode_match_eager():
+    model = make_model("qwen3", num_layers=2, device="cuda")
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model, backend_cls=GraphSafeDecodeBackend)
+    sizes = [1, 2, 4, 8]
+    pool = torch.cuda.graph_pool_handle()
+    pf = compile_piecewise(eager, capture_sizes=sizes, use_cudagraph=True, compiler="inductor", graph_pool=pool)
+    compile_on_example(steps, pf)
+    full = FullCUDAGraphRunner(pool=pool)
+    state: dict = {}
+
+    def prepare(b: int) -> None:  # a dummy decode batch of b sequences at distinct context lengths
+        state["args"], state["ctx"] = steps.step([1] * b, [3 + i for i in range(b)], pad_seqs_to=b)
+
+    def run(b: int):
+        with torch.inference_mode(), forward_context(state["ctx"]), pf.graphs_disabled():
+            return pf(*state["args"])
+
+    full.capture(sizes, run, prepare_fn=prepare)
+    assert sorted(full.captured_keys) == sizes
+    for b in (1, 3, 5, 8):
+        ctx_lens = [7 + 5 * i for i in range(b)]
+        ref = steps.run(eager, [1] * b, ctx_lens)
+        padded = pad_to_capture_size(b, sizes)
+        steps.step([1] * b, ctx_lens, pad_tokens_to=padded, pad_seqs_to=padded)  # fill the persistent buffers
+        with torch.inference_mode():
+            out = full.replay(padded)[:, :b].clone()
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

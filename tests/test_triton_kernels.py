@@ -1,0 +1,504 @@
+"""The Triton attention backend against the torch reference backend.
+
+Without a GPU the kernels run on CPU tensors in the Triton interpreter (TRITON_INTERPRET=1, set below before
+triton is imported), on tiny shapes in fp32/fp16. On a CUDA machine the same tests run compiled on the GPU, and
+the `gpu`-marked tests add bf16 at real shapes (head dims 64/128/256, block sizes 16/32/64, contexts up to 32k)
+and CUDA-graph capture/replay.
+
+Caches start filled with NaN, so any read of a slot that was never written (null block, unallocated blocks, rows
+past a sequence's end) shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels then run on CPU tensors
+
+triton = pytest.importorskip("triton")
+
+import dataclasses  # noqa: E402
+import importlib  # noqa: E402
+import sys  # noqa: E402
+
+from hf_accel.attention.backend import AttentionSpec  # noqa: E402
+from hf_accel.attention.metadata import StepMetadata  # noqa: E402
+from hf_accel.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+
+
+def _make_triton_language_interpretable() -> None:
+    """Make triton's own @jit library functions (tl.zeros, tl.max, ...) callable by the interpreter.
+
+    `@triton.jit` picks interpreter or compiler when a function is defined, and triton is usually imported before
+    this module runs (torch._dynamo imports it), so its standard library was defined for the compiler. Rebind
+    those functions as interpreted ones; kernels never compile in this process, so nothing else sees a change.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    done: dict[int, InterpretedFunction] = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith("triton.language"):
+            continue
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction):
+                if id(obj) not in done:
+                    done[id(obj)] = InterpretedFunction(obj.fn)
+                setattr(mod, name, done[id(obj)])
+
+
+def _load_kernels_in_the_right_mode() -> None:
+    """Kernels are bound to interpreter or compiler when defined; redefine them if defined in the other mode."""
+    if not ON_GPU:
+        _make_triton_language_interpretable()
+    names = ["common", "kv_write", "unified_attention", "split_kv_decode"]
+    mods = [importlib.import_module(f"hf_accel.attention.kernels.{n}") for n in names]
+    interpreted = type(mods[1]._write_kv_kernel).__name__ == "InterpretedFunction"
+    if interpreted == ON_GPU:
+        for name in names:
+            importlib.reload(sys.modules[f"hf_accel.attention.kernels.{name}"])
+
+
+_load_kernels_in_the_right_mode()
+
+from hf_accel.attention.kernels.common import TileConfig  # noqa: E402
+from hf_accel.attention.kernels.split_kv_decode import choose_num_splits  # noqa: E402
+from hf_accel.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+TOL = {torch.float32: 2e-4, torch.float16: 6e-3, torch.bfloat16: 2.5e-2}
+
+
+@dataclasses.dataclass
+class Step:
+    meta: StepMetadata
+    query: torch.Tensor  # [T_pad, H, D]
+    key: torch.Tensor  # [T_pad, Hkv, D] new rows (padded rows hold junk that must not be written)
+    value: torch.Tensor
+    k_cache: torch.Tensor  # NaN except the cached prefixes
+    v_cache: torch.Tensor
+    max_blocks_per_seq: int
+
+
+def make_step(query_lens: list[int], context_lens: list[int], *, num_heads: int = 4, num_kv_heads: int = 2,
+              head_dim: int = 16, block_size: int = 16, dtype: torch.dtype = torch.float32, pad_seqs: int = 0,
+              pad_tokens: int = 0, seed: int = 0, device: torch.device = DEVICE) -> Step:
+    """A step built by hand the way the runner builds one: blocks drawn at random from a pool (never block 0),
+    block-table tails pointing at block 0, graph padding as in `ModelRunner.upload` (padded sequences take one
+    query token each past the real ones, seq_len 0, slot -1)."""
+    gen = torch.Generator().manual_seed(seed)  # block pool (host)
+    dgen = torch.Generator(device=device).manual_seed(seed)  # values, drawn where they live (32k contexts on GPU)
+
+    def rnd(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=dgen, device=device).to(dtype)
+
+    b, bp = len(query_lens), len(query_lens) + pad_seqs
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
+    t = sum(query_lens)
+    tp = t + pad_tokens
+    need = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max(need) + 1
+    num_blocks = 1 + sum(need) + 3
+    pool = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(bp, max_blocks, dtype=torch.int32)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(pool[:n], dtype=torch.int32)
+        pool = pool[n:]
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    slots: list[int] = []
+    for i in range(b):
+        pos = torch.arange(seq_lens[i])
+        blk, row = tables[i, pos // block_size].long(), pos % block_size
+        c = context_lens[i]
+        k_cache[blk[:c].to(device), row[:c].to(device)] = rnd(c, num_kv_heads, head_dim)
+        v_cache[blk[:c].to(device), row[:c].to(device)] = rnd(c, num_kv_heads, head_dim)
+        slots += (blk[c:] * block_size + row[c:]).tolist()
+    slots += [-1] * (tp - t)
+
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    qsl += [min(t + 1 + i, tp) for i in range(pad_seqs)]
+    i32 = dict(dtype=torch.int32, device=device)
+    meta = StepMetadata(
+        num_tokens=t, num_seqs=b, max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=block_size,
+        query_start_loc=torch.tensor(qsl, **i32),
+        seq_lens=torch.tensor(seq_lens + [0] * pad_seqs, **i32),
+        context_lens=torch.tensor(list(context_lens) + [0] * pad_seqs, **i32),
+        block_tables=tables.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_lens_cpu=list(query_lens), seq_lens_cpu=seq_lens,
+    )
+
+    return Step(meta, rnd(tp, num_heads, head_dim), rnd(tp, num_kv_heads, head_dim), rnd(tp, num_kv_heads, head_dim),
+                k_cache, v_cache, max_blocks)
+
+
+def spec_of(step: Step) -> AttentionSpec:
+    _, h, d = step.query.shape
+    return AttentionSpec(num_heads=h, num_kv_heads=step.k_cache.shape[2], head_dim=d, dtype=step.query.dtype)
+
+
+def make_backend(step: Step, num_kv_splits: int | None = None, decode_block_n: int | None = None,
+                 max_num_seqs: int = 8, **kw) -> TritonAttentionBackend:
+    be = TritonAttentionBackend(spec_of(step), step.query.device, step.meta.block_size, max_num_seqs,
+                                step.query.shape[0], step.max_blocks_per_seq, num_kv_splits=num_kv_splits, **kw)
+    if decode_block_n is not None:
+        be.decode_config = TileConfig(16, decode_block_n, 4, 2)
+    return be
+
+
+def reference(step: Step, scale: float, window: int, softcap: float) -> torch.Tensor:
+    """Torch backend on the same step (NaN cache slots zeroed: the reference gathers whole blocks)."""
+    kc, vc = step.k_cache.nan_to_num(0.0), step.v_cache.nan_to_num(0.0)
+    be = TorchAttentionBackend(spec_of(step), step.query.device, step.meta.block_size, 8, step.query.shape[0],
+                               step.max_blocks_per_seq)
+    n = step.meta.num_tokens
+    be.write_kv(step.key[:n], step.value[:n], kc, vc, step.meta)
+    be.prepare(step.meta)
+    out = torch.zeros_like(step.query)
+    be.forward(step.query, kc, vc, step.meta, out, scale, window, softcap)
+    return out[:n]
+
+
+def run_triton(step: Step, be: TritonAttentionBackend, scale: float, window: int, softcap: float,
+               meta: StepMetadata | None = None) -> torch.Tensor:
+    meta = meta or step.meta
+    kc, vc = step.k_cache.clone(), step.v_cache.clone()
+    be.write_kv(step.key, step.value, kc, vc, meta)  # all padded rows: slot -1 must skip them
+    be.prepare(meta)
+    out = torch.full_like(step.query, float("nan"))
+    be.forward(step.query, kc, vc, meta, out, scale, window, softcap)
+    return out
+
+
+def check(step: Step, be: TritonAttentionBackend, *, scale: float | None = None, window: int = 0,
+          softcap: float = 0.0, meta: StepMetadata | None = None) -> None:
+    scale = scale if scale is not None else step.query.shape[-1] ** -0.5
+    out = run_triton(step, be, scale, window, softcap, meta)
+    ref = reference(step, scale, window, softcap)
+    n = step.meta.num_tokens
+    tol = TOL[step.query.dtype]
+    torch.testing.assert_close(out[:n].float(), ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows must be zeros"
+
+
+DTYPES = [torch.float32, torch.float16]
+
+
+# -- KV write --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_skips_padded_slots(dtype, block_size):
+    step = make_step([5, 1, 9], [3, 20, 0], block_size=block_size, dtype=dtype, pad_seqs=2, pad_tokens=4)
+    be = make_backend(step)
+    kc, vc = step.k_cache.clone(), step.v_cache.clone()
+    be.write_kv(step.key, step.value, kc, vc, step.meta)
+    ref_k, ref_v = step.k_cache.clone(), step.v_cache.clone()
+    n = step.meta.num_tokens
+    slots = step.meta.slot_mapping[:n]
+    ref_k.view(-1, *ref_k.shape[2:])[slots] = step.key[:n]
+    ref_v.view(-1, *ref_v.shape[2:])[slots] = step.value[:n]
+    assert torch.equal(kc.nan_to_num(123.0), ref_k.nan_to_num(123.0))
+    assert torch.equal(vc.nan_to_num(123.0), ref_v.nan_to_num(123.0))
+    assert torch.isnan(kc[0]).all() and torch.isnan(vc[0]).all(), "null block must stay untouched"
+
+
+def test_write_kv_head_dim_not_power_of_two():
+    step = make_step([3, 4], [0, 5], num_heads=6, num_kv_heads=3, head_dim=24)
+    be = make_backend(step)
+    kc = step.k_cache.clone()
+    be.write_kv(step.key, step.value, kc, step.v_cache.clone(), step.meta)
+    slots = step.meta.slot_mapping
+    assert torch.equal(kc.view(-1, 3, 24)[slots], step.key)
+
+
+# -- unified kernel --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_gqa(dtype):
+    step = make_step([9, 17], [0, 0], dtype=dtype, head_dim=32, seed=1)
+    check(step, make_backend(step))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_chunked_prefill_with_cached_prefix(dtype, block_size):
+    step = make_step([8, 20], [19, 70], dtype=dtype, block_size=block_size, seed=2)
+    check(step, make_backend(step))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_prefill_and_decode(dtype):
+    step = make_step([1, 12, 1, 5], [33, 0, 7, 20], dtype=dtype, seed=3)
+    check(step, make_backend(step))
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window(window):
+    step = make_step([1, 24, 3], [50, 30, 0], seed=4)
+    check(step, make_backend(step), window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softcap_and_scale(dtype):
+    step = make_step([6, 1, 10], [10, 40, 0], dtype=dtype, seed=5)
+    check(step, make_backend(step), scale=0.9, softcap=3.0)
+    check(step, make_backend(step), scale=0.9, softcap=3.0, window=7)
+
+
+def test_mqa_and_wide_groups():
+    step = make_step([4, 1], [9, 30], num_heads=8, num_kv_heads=1, seed=6)
+    check(step, make_backend(step))
+    step = make_step([4, 1], [9, 30], num_heads=6, num_kv_heads=2, seed=7)  # group 3: padded to 4 rows
+    check(step, make_backend(step))
+
+
+def test_head_dim_padded_to_power_of_two():
+    step = make_step([7, 1], [5, 22], head_dim=24, seed=8)
+    check(step, make_backend(step), softcap=4.0)
+
+
+def test_small_query_tiles_cover_long_prefill():
+    """Many query tiles per sequence, tiles straddling sequence boundaries in the packed order."""
+    step = make_step([13, 6, 1, 21], [3, 0, 17, 12], seed=9)
+    be = make_backend(step)
+    be.unified_config = TileConfig(16, 16, 4, 1)  # 8 tokens x 2 heads per program
+    check(step, be)
+    check(step, be, window=6)
+
+
+@pytest.mark.parametrize("pad_tokens", [2, 6])
+def test_graph_padded_rows_unified(pad_tokens):
+    step = make_step([1, 7, 1], [12, 3, 40], pad_seqs=3, pad_tokens=pad_tokens, seed=10)
+    check(step, make_backend(step))
+
+
+def test_decode_unified_path():
+    step = make_step([1] * 5, [0, 15, 16, 47, 90], seed=11)
+    be = make_backend(step, num_kv_splits=1)
+    check(step, be)
+    check(step, be, window=10, softcap=2.0)
+
+
+# -- split-KV decode -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_kv_decode(dtype, splits):
+    # seq 0 has a single key: most of its splits are empty and must not disturb the merge
+    step = make_step([1] * 4, [0, 15, 70, 129], dtype=dtype, seed=12)
+    be = make_backend(step, num_kv_splits=splits, decode_block_n=16)
+    assert be.splits_for_step(step.meta) == splits
+    check(step, be)
+
+
+@pytest.mark.parametrize("window,softcap", [(9, 0.0), (0, 2.5), (33, 5.0)])
+def test_split_kv_decode_window_softcap(window, softcap):
+    step = make_step([1] * 3, [5, 64, 100], seed=13)
+    check(step, make_backend(step, num_kv_splits=4, decode_block_n=16), window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("pad_tokens", [3, 5])
+def test_split_kv_decode_graph_padded(pad_tokens):
+    step = make_step([1] * 3, [20, 3, 77], pad_seqs=3, pad_tokens=pad_tokens, seed=14)
+    check(step, make_backend(step, num_kv_splits=4, decode_block_n=16))
+
+
+def test_split_kv_decode_auto_choice_on_small_batch():
+    step = make_step([1, 1], [40, 90], seed=15)
+    be = make_backend(step, decode_block_n=16)
+    assert be.splits_for_step(step.meta) > 1  # 2 seqs x 2 KV heads on 132 SMs: split
+    check(step, be)
+
+
+# -- CUDA-graph safety and path choice --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_launch_ignores_per_step_host_values(splits):
+    """A captured graph replays with stale Python ints: the kernels may only use tensor shapes and contents."""
+    step = make_step([1] * 3, [9, 40, 66], pad_seqs=1, pad_tokens=1, seed=16)
+    be = make_backend(step, num_kv_splits=splits, decode_block_n=16)
+    stale = dataclasses.replace(step.meta, num_tokens=1, num_seqs=1, max_seq_len=2, query_lens_cpu=[1],
+                                seq_lens_cpu=[2])
+    check(step, be, meta=stale)
+    mixed = make_step([3, 1, 6], [9, 40, 0], pad_seqs=1, pad_tokens=2, seed=17)
+    stale = dataclasses.replace(mixed.meta, num_tokens=2, num_seqs=1, max_query_len=2, max_seq_len=3)
+    check(mixed, make_backend(mixed), meta=stale)
+
+
+def test_path_choice_depends_on_batch_shape_only():
+    step = make_step([1], [10], num_kv_heads=8, num_heads=16, head_dim=16)
+    be = TritonAttentionBackend(spec_of(step), DEVICE, 16, 256, 256, 2048, num_sms=132)
+    def splits(num_seqs: int) -> int:
+        return be.splits_for_step(dataclasses.replace(step.meta, seq_lens=torch.zeros(num_seqs, dtype=torch.int32)))
+
+    assert all(splits(n) > 1 for n in (1, 4, 16))
+    assert all(splits(n) == 1 for n in (64, 256))
+    assert be.splits_for_step(dataclasses.replace(step.meta, max_query_len=2)) == 1
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(256, 8, 32768, 64, 132) == 1
+    for n in (1, 2, 3, 8, 20):
+        s = choose_num_splits(n, 8, 32768, 64, 132)
+        assert s > 1 and s & (s - 1) == 0 and s <= 64
+    assert choose_num_splits(1, 8, 64, 64, 132) == 1  # one KV tile of capacity: nothing to split
+
+
+def test_unavailable_reasons_on_cpu():
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    reasons = TritonAttentionBackend.unavailable_reasons(spec, torch.device("cpu"))
+    assert reasons and "triton backend needs a CUDA GPU" in reasons[0]
+    assert not any(r.startswith("triton needs a CUDA GPU") for r in reasons)
+    odd = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=512, dtype=torch.bfloat16)
+    assert any("head_dim 512" in r for r in TritonAttentionBackend.unavailable_reasons(odd, torch.device("cpu")))
+
+
+# -- GPU: bf16 at real shapes -----------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (compiled Triton kernels)")
+
+
+def _rand_lens(gen: torch.Generator, n: int, lo: int, hi: int) -> list[int]:
+    return torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("batch,max_ctx", [(1, 32768), (7, 16384), (64, 4096)])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_gpu_decode_bf16(head_dim, block_size, batch, max_ctx, splits):
+    gen = torch.Generator().manual_seed(head_dim + block_size + batch)
+    ctx = _rand_lens(gen, batch, 0, max_ctx - 1)
+    ctx[0] = max_ctx - 1
+    step = make_step([1] * batch, ctx, num_heads=16, num_kv_heads=8, head_dim=head_dim, block_size=block_size,
+                     dtype=torch.bfloat16, seed=batch)
+    be = make_backend(step, num_kv_splits=splits, max_num_seqs=256)
+    check(step, be)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("mix", ["prefill", "chunked_long", "mixed"])
+def test_gpu_prefill_and_mixed_bf16(head_dim, block_size, mix):
+    if mix == "prefill":
+        qlens, ctx = [1000, 37, 2048], [0, 0, 0]
+    elif mix == "chunked_long":
+        qlens, ctx = [512, 300], [32000 - 512, 7000]
+    else:
+        qlens, ctx = [1] * 20 + [700, 129], list(range(100, 2100, 100)) + [0, 3000]
+    step = make_step(qlens, ctx, num_heads=16, num_kv_heads=8, head_dim=head_dim, block_size=block_size,
+                     dtype=torch.bfloat16, pad_seqs=2, pad_tokens=5, seed=head_dim)
+    be = make_backend(step, max_num_seqs=256)
+    check(step, be)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("window,softcap", [(4096, 0.0), (0, 50.0), (1000, 30.0)])
+def test_gpu_window_softcap_bf16(window, softcap):
+    step = make_step([1, 1, 900, 1], [20000, 300, 5000, 9000], num_heads=32, num_kv_heads=8, head_dim=128,
+                     dtype=torch.bfloat16, seed=7)
+    check(step, make_backend(step, max_num_seqs=256), window=window, softcap=softcap)
+    dec = make_step([1] * 3, [20000, 300, 9000], num_heads=32, num_kv_heads=8, head_dim=256,
+                    dtype=torch.bfloat16, seed=8)
+    check(dec, make_backend(dec, max_num_seqs=256), window=window, softcap=softcap)
+
+
+def _graph_replay(step_a: Step, step_b: Step, be: TritonAttentionBackend) -> torch.Tensor:
+    """Capture write_kv + forward on step A's buffers, load step B into the same buffers, replay; B's output."""
+    meta = step_a.meta
+    bufs = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if isinstance(getattr(meta, f.name),
+                                                                                       torch.Tensor)}
+    q, k, v = step_a.query.clone(), step_a.key.clone(), step_a.value.clone()
+    kc, vc = step_a.k_cache.clone(), step_a.v_cache.clone()
+    out = torch.zeros_like(q)
+    scale = q.shape[-1] ** -0.5
+
+    def body():
+        be.write_kv(k, v, kc, vc, meta)
+        be.forward(q, kc, vc, meta, out, scale, 0, 0.0)
+
+    be.prepare(meta)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()  # warm-up compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    for name, buf in bufs.items():
+        buf.copy_(getattr(step_b.meta, name))
+    q.copy_(step_b.query)
+    k.copy_(step_b.key)
+    v.copy_(step_b.value)
+    kc.copy_(step_b.k_cache)
+    vc.copy_(step_b.v_cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def _same_buffer_shapes(*steps: Step) -> None:
+    """Give steps one block-table width and one cache size, as the runner's persistent buffers have."""
+    width = max(s.max_blocks_per_seq for s in steps)
+    nblocks = max(s.k_cache.shape[0] for s in steps)
+    for s in steps:
+        s.meta.block_tables = torch.nn.functional.pad(s.meta.block_tables, (0, width - s.meta.block_tables.shape[1]))
+        extra = nblocks - s.k_cache.shape[0]
+        s.k_cache = torch.cat([s.k_cache, s.k_cache.new_full((extra, *s.k_cache.shape[1:]), float("nan"))])
+        s.v_cache = torch.cat([s.v_cache, s.v_cache.new_full((extra, *s.v_cache.shape[1:]), float("nan"))])
+        s.max_blocks_per_seq = width
+
+
+def _check_replay(a: Step, b: Step, be: TritonAttentionBackend) -> None:
+    out = _graph_replay(a, b, be)
+    ref = reference(b, b.query.shape[-1] ** -0.5, 0, 0.0)
+    n = b.meta.num_tokens
+    torch.testing.assert_close(out[:n].float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("splits", [None, 1])
+def test_gpu_cuda_graph_replay_decode(splits):
+    """One graph captured for a padded decode batch of 8 replays correctly with other lengths and real counts."""
+    common = dict(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    a = make_step([1] * 6, [100, 5000, 17, 3000, 64, 900], pad_seqs=2, pad_tokens=2, seed=1, **common)
+    b = make_step([1] * 4, [30000, 2, 700, 12000], pad_seqs=4, pad_tokens=4, seed=2, **common)
+    _same_buffer_shapes(a, b)
+    be = make_backend(a, num_kv_splits=splits, max_num_seqs=8)
+    if splits is None:
+        assert be.splits_for_step(a.meta) > 1
+    _check_replay(a, b, be)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_replay_mixed():
+    """CUDAGraphSupport.ALWAYS: a graph captured on one mixed batch replays on another of the same padded shape."""
+    common = dict(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    a = make_step([1, 200, 1, 50], [4000, 0, 30, 100], pad_seqs=2, pad_tokens=9, seed=3, **common)  # 4+2 seqs, 261
+    b = make_step([120, 1, 1], [3000, 20000, 5], pad_seqs=3, pad_tokens=139, seed=4, **common)  # 3+3 seqs, 261
+    assert a.query.shape == b.query.shape and a.meta.seq_lens.shape == b.meta.seq_lens.shape
+    _same_buffer_shapes(a, b)
+    _check_replay(a, b, make_backend(a, max_num_seqs=8))
