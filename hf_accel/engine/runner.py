@@ -228,9 +228,27 @@ class ModelRunner:
                                                graph_pool=pool)
             meta = self.upload(self.dummy_inputs([15, 1]))
             self.backend.prepare(meta)
-            with forward_context(self.context(meta)):
-                self.piecewise.compile(self.input_ids[:16][None], self.positions[:16][None], self.logits_indices[:2])
+            try:
+                with forward_context(self.context(meta)):
+                    self.piecewise.compile(self.input_ids[:16][None], self.positions[:16][None],
+                                           self.logits_indices[:2])
+            except Exception as exc:  # e.g. a model/torch combination that specializes the token count
+                logger.warning("hf_accel: torch.compile of the forward failed (%s: %s); continuing without "
+                               "compile: full CUDA graphs of the eager forward for decode, eager otherwise",
+                               type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                import torch._dynamo
+
+                torch._dynamo.reset()
+                self.piecewise = None
+                compile = False
+                info["compile_error"] = f"{type(exc).__name__}: {exc}"[:500]
+                self.dispatcher = CUDAGraphDispatcher(mode, sizes, self.backend.cudagraph_support,
+                                                      piecewise_available=False,
+                                                      full_capture_sizes=[s for s in sizes if s <= self.max_num_seqs],
+                                                      backend_name=self.backend.name)
+                info["cudagraph_mode"] = self.dispatcher.mode.value
             info["compile_s"] = time.perf_counter() - t0
+        if compile:
             t0 = time.perf_counter()
 
             def run_piece(t: int):
