@@ -83,9 +83,15 @@ class LLMEngine:
         self.stats.timings["kv_cache_s"] = time.perf_counter() - t0
         self.compile_info: dict = {}
         if cfg.compile or cfg.cudagraph_mode.value != "none":
-            self.compile_info = self.runner.enable_compilation(
-                cfg.cudagraph_mode, list(cfg.cudagraph_capture_sizes or []), bool(cfg.compile),
-                cfg.compile_cache_dir, model.config, spec.dtype)
+            try:
+                self.compile_info = self.runner.enable_compilation(
+                    cfg.cudagraph_mode, list(cfg.cudagraph_capture_sizes or []), bool(cfg.compile),
+                    cfg.compile_cache_dir, model.config, spec.dtype)
+            except BaseException:
+                self.kv_caches.clear()  # give the cache's memory back even while the traceback lives on
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                raise
             logger.info("hf_accel: compile %.1f s, graph capture %.1f s, graph pool %.2f GiB (mode %s)",
                         self.compile_info["compile_s"], self.compile_info["capture_s"],
                         self.compile_info["graph_pool_bytes"] / 2**30, self.compile_info.get("cudagraph_mode"))

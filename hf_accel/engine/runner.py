@@ -236,8 +236,6 @@ class ModelRunner:
                 logger.warning("hf_accel: torch.compile of the forward failed (%s: %s); continuing without "
                                "compile: full CUDA graphs of the eager forward for decode, eager otherwise",
                                type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-                import torch._dynamo
-
                 torch._dynamo.reset()
                 self.piecewise = None
                 compile = False
