@@ -168,9 +168,7 @@ class ModelRunner:
     def model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       logits_indices: torch.Tensor) -> torch.Tensor:
         """The family's full causal-LM forward on packed input: logits `[N, V]` for the rows in logits_indices."""
-        out = self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=logits_indices,
-                         use_cache=False)
-        return out.logits[0]
+        return self.forward_2d(input_ids[None], positions[None], logits_indices)[0]
 
     def context(self, meta: StepMetadata) -> ForwardContext:
         return ForwardContext(metadata=meta, backend=self.backend, kv_caches=self.kv_caches)
