@@ -52,6 +52,10 @@ WORKLOAD_SEED = {"w1": 0, "w2": 1_000, "w3": 2_000}
 WARMUP_SEED_OFFSET = 500
 GUARD_SEED_BASE = 20_000
 GIB = 1 << 30
+# a divergence from the reference is a rounding near-tie (accepted, counted) when the reference's top-1 logit leads
+# the token we chose by at most GUARD_TIE_ULPS units in the last place of the top logit in the model's dtype:
+# kernels that sum in another order (fused vs eager, split-KV vs not) flip such ties in low precision
+GUARD_TIE_ULPS = 16
 
 # WORKLOADS.md targets (tokens/s for w1-w3; seconds and bytes for startup)
 TARGETS: dict[str, dict[str, float]] = {
@@ -555,20 +559,50 @@ def run_guard_cases(model, cases: list[GuardCase], device: torch.device, progres
     return outs
 
 
-def _reference_margin(model, case: GuardCase, row: int, step: int, device: torch.device) -> float | None:
-    """Top-1 minus top-2 logit of the reference at a divergence: a tiny margin suggests a rounding near-tie."""
-    try:
-        input_ids, attention_mask = left_pad(case.prompts, device)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=case.new_tokens,
-                             do_sample=False, return_dict_in_generate=True, output_scores=True)
-        top = torch.topk(out.scores[step][row].float(), 2).values
-        return float(top[0] - top[1])
-    except Exception:
-        return None
+def _divergences(a: list[list[int]], b: list[list[int]]) -> list[dict[str, int]]:
+    """Every row where ours (a) and the reference (b) differ: row, first differing step, our token there."""
+    out = []
+    for row, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            step = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+            if step < len(x):
+                out.append({"row": row, "step": step, "ours": x[step]})
+            else:  # a length mismatch is never a near-tie
+                out.append({"row": row, "step": step, "ours": -1})
+    return out
+
+
+def tie_margin_for(dtype: torch.dtype, top_logit: float) -> float:
+    """GUARD_TIE_ULPS units in the last place of `top_logit` in `dtype` (bf16: 8 significant bits)."""
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}.get(dtype, 23)
+    exponent = math.floor(math.log2(max(abs(top_logit), 2.0**-6)))
+    return GUARD_TIE_ULPS * 2.0 ** (exponent - mantissa_bits)
+
+
+def reference_margins(model, case: GuardCase, divergences: list[dict[str, int]],
+                      device: torch.device) -> list[tuple[float, float]]:
+    """For each divergence: (the reference's top-1 logit minus its logit for our token at that step, top-1 logit).
+
+    The divergent rows are re-run (one batch) through the reference with output_scores; a small lead means the two
+    runs parted at a rounding near-tie, a large one means our token is wrong.
+    """
+    rows = [d["row"] for d in divergences]
+    steps = max(d["step"] for d in divergences) + 1
+    input_ids, attention_mask = left_pad([case.prompts[r] for r in rows], device)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, do_sample=False,
+                         return_dict_in_generate=True, output_scores=True)
+    margins = []
+    for i, d in enumerate(divergences):
+        if d["ours"] < 0 or d["step"] >= len(out.scores):
+            margins.append((float("inf"), float("nan")))
+            continue
+        scores = out.scores[d["step"]][i].float()
+        margins.append((float(scores.max() - scores[d["ours"]]), float(scores.max())))
+    return margins
 
 
 def compare_guard(cases: list[GuardCase], ours: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    """Per case: equal or not, with the first divergence; the guard passes only if every case is equal."""
+    """Per case: equal or not, with the first divergence and every divergent row (near-ties are judged later)."""
     detail = {}
     passed = True
     for case in cases:
@@ -580,10 +614,36 @@ def compare_guard(cases: list[GuardCase], ours: dict[str, Any], ref: dict[str, A
                          reference_error=b if isinstance(b, str) else None)
         else:
             entry.update(equal=a == b, agreement=agreement(a, b))
-        passed &= bool(entry["equal"])
+            if a != b and len(a) == len(b):
+                entry["divergences"] = _divergences(a, b)
+        entry["ok"] = bool(entry["equal"])
+        passed &= entry["ok"]
         detail[case.name] = entry
     return {"passed": passed, "reference": "accelerate_model(attention_backend='torch', enforce_eager=True)",
             "cases": detail}
+
+
+def judge_near_ties(guard: dict[str, Any], cases: list[GuardCase], model, device: torch.device,
+                    dtype: torch.dtype) -> None:
+    """Accept a case whose every divergence is a near-tie of the reference (lead <= tie_margin_for); update passed."""
+    guard["tie_rule"] = f"reference top-1 lead over our token <= {GUARD_TIE_ULPS} ulps of the top logit ({dtype})"
+    for case in cases:
+        entry = guard["cases"][case.name]
+        divs = entry.get("divergences")
+        if entry["ok"] or not divs:
+            continue
+        try:
+            margins = reference_margins(model, case, divs, device)
+        except Exception as exc:
+            entry["margin_error"] = f"{type(exc).__name__}: {exc}"
+            continue
+        for d, (lead, top) in zip(divs, margins, strict=True):
+            d["reference_lead"], d["reference_top"] = lead, top
+            d["tie_margin"] = tie_margin_for(dtype, top) if math.isfinite(top) else 0.0
+        entry["near_ties"] = len(divs)
+        entry["ok"] = all(d["reference_lead"] <= d["tie_margin"] for d in divs)
+    guard["passed"] = all(c["ok"] for c in guard["cases"].values())
+    guard["near_ties"] = sum(c.get("near_ties", 0) for c in guard["cases"].values() if c["ok"])
 
 
 def run_guard(model, cases: list[GuardCase], kwargs: dict[str, Any], device: torch.device,
@@ -601,12 +661,7 @@ def run_guard(model, cases: list[GuardCase], kwargs: dict[str, Any], device: tor
         api.accelerate_model(model, attention_backend="torch", enforce_eager=True, **ref_kwargs)
         ref_out = run_guard_cases(model, cases, device, progress, "reference")
         guard = compare_guard(cases, ours_out, ref_out)
-        for case in cases:  # near-tie diagnosis at the first divergence
-            div = (guard["cases"][case.name].get("agreement") or {}).get("first_divergence")
-            if div:
-                one = GuardCase(case.name, "generate", [case.prompts[div["row"]]], div["step"] + 1)
-                guard["cases"][case.name]["reference_top2_margin"] = _reference_margin(
-                    model, one, 0, div["step"], device)
+        judge_near_ties(guard, cases, model, device, next(model.parameters()).dtype)
     except Exception as exc:
         guard = {"passed": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     with contextlib.suppress(Exception):
@@ -931,17 +986,20 @@ def format_report(report: dict[str, Any]) -> str:
             head.append("correctness guard: not run (accelerate_model failed, see notes) -> no valid figure of ours")
         elif guard.get("passed"):
             n = sum(c["requests"] for c in guard.get("cases", {}).values())
+            ties = guard.get("near_ties", 0)
             head.append(f"correctness guard: PASS ({n} requests in {len(guard.get('cases', {}))} batch shapes, "
-                        "token-for-token equal to the eager torch backend)")
+                        + ("token-for-token equal to the eager torch backend)" if not ties else
+                           f"equal to the eager torch backend but for {ties} rounding near-tie(s): "
+                           f"{guard.get('tie_rule')})"))
         else:
             bad = []
             for k, c in guard.get("cases", {}).items():
-                if c.get("equal"):
+                if c.get("ok", c.get("equal")):
                     continue
                 div = (c.get("agreement") or {}).get("first_divergence")
-                margin = c.get("reference_top2_margin")
+                leads = [d["reference_lead"] for d in c.get("divergences", []) if "reference_lead" in d]
                 bad.append(k + (f" at row {div['row']} step {div['step']}" if div else "")
-                           + (f", reference top-2 logit margin {margin:.3g}" if margin is not None else "")
+                           + (f", reference lead over our token up to {max(leads):.3g}" if leads else "")
                            + (f" ({c.get('ours_error') or c.get('reference_error')})"
                               if c.get("ours_error") or c.get("reference_error") else ""))
             why = guard.get("error") or "tokens differ: " + "; ".join(bad)

@@ -238,3 +238,29 @@ def test_plot_from_a_report(tmp_path) -> None:
             "ours": {"median_tokens_per_s": 500.0}, "eager": {"median_tokens_per_s": None}}}}}
     bench.write_plot(report, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("lead", "ok"), [(0.0, True), (0.2, True), (0.3, False)])
+def test_guard_accepts_only_near_ties(monkeypatch, lead: float, ok: bool) -> None:
+    cases = [bench.GuardCase("b2", "generate", [[11, 12], [13, 14]], 4)]
+    guard = bench.compare_guard(cases, {"b2": [[1, 2, 3, 4], [5, 6, 7, 8]]}, {"b2": [[1, 2, 9, 9], [5, 6, 7, 8]]})
+    assert guard["passed"] is False
+    assert guard["cases"]["b2"]["divergences"] == [{"row": 0, "step": 2, "ours": 3}]
+    seen = {}
+
+    def fake_margins(model, case, divergences, device):
+        seen["rows"] = [d["row"] for d in divergences]
+        return [(lead, 3.0)] * len(divergences)  # top logit 3.0: a bf16 ulp is 2**-6 there
+
+    monkeypatch.setattr(bench, "reference_margins", fake_margins)
+    bench.judge_near_ties(guard, cases, None, torch.device("cpu"), torch.bfloat16)
+    assert seen["rows"] == [0]
+    assert guard["passed"] is ok and guard["cases"]["b2"]["ok"] is ok
+    assert guard["near_ties"] == (1 if ok else 0)
+
+
+def test_tie_margin_scales_with_the_top_logit_and_dtype() -> None:
+    assert bench.tie_margin_for(torch.bfloat16, 3.0) == 16 * 2.0**-6
+    assert bench.tie_margin_for(torch.bfloat16, -20.0) == 16 * 2.0**-3
+    assert bench.tie_margin_for(torch.float16, 3.0) == 16 * 2.0**-9
+    assert bench.tie_margin_for(torch.float32, 3.0) < 1e-5  # CPU float32 runs stay strict

@@ -335,20 +335,28 @@ class PiecewiseForward:
                 part[node] = pid
         split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)
 
-        # 2. fake inputs of every submodule, by interpreting the split graph on Dynamo's fake tensors
+        # 2. fake inputs of every submodule: split_module copies Dynamo's example values onto each piece's
+        #    placeholders. Re-running the split graph on fake tensors instead would concretize sizes on some
+        #    torch versions (2.11 turns `aten.size` into ints, pinning T), so that is only the fallback.
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         fake_args = [n.meta.get("example_value", ex) for n, ex in zip(placeholders, example_inputs, strict=True)]
         fake_mode = next((a.fake_mode for a in fake_args if isinstance(a, torch._subclasses.FakeTensor)), None)
         sub_args: dict[str, list[Any]] = {}
+        for name, submod in split_gm.named_children():
+            values = [n.meta.get("example_value") for n in submod.graph.nodes if n.op == "placeholder"]
+            if all(v is not None for v in values):
+                sub_args[name] = values
+        if len(sub_args) < len(list(split_gm.named_children())):
+            sub_args.clear()
 
-        class _Recorder(torch.fx.Interpreter):
-            def call_module(self, target, args, kwargs):  # type: ignore[override]
-                sub_args[target] = list(args)
-                return super().call_module(target, args, kwargs)
+            class _Recorder(torch.fx.Interpreter):
+                def call_module(self, target, args, kwargs):  # type: ignore[override]
+                    sub_args[target] = list(args)
+                    return super().call_module(target, args, kwargs)
 
-        ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-        with ctx:
-            _Recorder(split_gm).run(*fake_args)
+            ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+            with ctx:
+                _Recorder(split_gm).run(*fake_args)
 
         # 3. which outer inputs are weights (fixed address, never checked at replay): tensors that are neither an
         #    argument of the forward nor sized by a dynamic dimension; and which symbols are dynamic sizes other

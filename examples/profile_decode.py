@@ -1,0 +1,85 @@
+"""Where a decode step's time goes: host (Python) profile and GPU kernel time of W1/W2-style generate() calls.
+
+Builds a WORKLOADS.md shape with random weights, accelerates it and runs `generate()` for a batch of prompts,
+then prints: wall time per step, the host functions that take the most time (cProfile), and the GPU time the
+step's kernels take (torch.profiler), so "GPU busy" and "host overhead" can be told apart.
+
+    python examples/profile_decode.py --shape qwen3-0.6b --batch 1 [--backend auto] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from hf_accel import accelerate_model, engine_info
+from hf_accel.bench import build_model, disable_eos, random_prompts, resolve_device
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--cudagraph-mode", default=None)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    device = resolve_device(None)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(args.shape, None, dtype, device)
+    disable_eos(model)
+    t0 = time.perf_counter()
+    kw = {"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else {}
+    accelerate_model(model, attention_backend=args.backend, **kw)
+    info = engine_info(model)
+    keep = ("attention_backend", "cudagraph_mode", "startup", "compile_error")
+    print(f"accelerate_model: {time.perf_counter() - t0:.1f} s; engine: { {k: info.get(k) for k in keep} }")
+    prompts = torch.tensor(random_prompts([args.prompt_len] * args.batch, 0, model.config.vocab_size), device=device)
+
+    def run() -> None:
+        model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new_tokens,
+                       do_sample=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    run()
+    walls = []
+    for _ in range(3):
+        t = time.perf_counter()
+        run()
+        walls.append(time.perf_counter() - t)
+    wall = sorted(walls)[1]
+    print(f"generate: {wall * 1e3:.1f} ms for {args.new_tokens} steps -> {wall / args.new_tokens * 1e3:.3f} ms/step, "
+          f"{args.batch * args.new_tokens / wall:.0f} tok/s")
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)
+        print(f"--- host profile by {key} ---")
+        print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:6000])
+
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            run()
+        events = p.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events)
+        print(f"--- GPU: kernels {gpu_us / 1e3:.1f} ms of {wall * 1e3:.1f} ms wall "
+              f"({gpu_us / 1e3 / args.new_tokens:.3f} ms/step) ---")
+        print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
