@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
+from hf_accel.attention.autotune import DECODE_WEIGHT, autotune_backends
 from hf_accel.attention.backend import AttentionSpec
 from hf_accel.attention.op import ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward
-from hf_accel.attention.registry import available_backends_for, select_backend
+from hf_accel.attention.registry import auto_candidates, available_backends_for, select_backend
 from hf_accel.config import AccelConfig
 from hf_accel.engine.engine import LLMEngine, ModelShape
 from hf_accel.generation import EngineGenerator, stock_reason
@@ -99,7 +100,7 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     device = _model_device(model)
     cfg = cfg.resolve_for(device)
     spec = _attention_spec(model)
-    backend_cls = select_backend(cfg.attention_backend, spec, device)
+    backend_cls, autotune_info = _choose_backend(model, cfg, spec, device)
 
     AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
     original = model.config._attn_implementation
@@ -116,7 +117,8 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     state.startup = {"patch_s": patch_s, "kv_cache_s": engine.stats.timings.get("kv_cache_s", 0.0),
                      "compile_s": ci.get("compile_s", 0.0), "capture_s": ci.get("capture_s", 0.0)}
     state.extra_info.update(graph_pool_bytes=ci.get("graph_pool_bytes", 0), compile_cache=ci.get("compile_cache"),
-                            effective_cudagraph_mode=ci.get("cudagraph_mode", "none"))
+                            effective_cudagraph_mode=ci.get("cudagraph_mode", "none"), backend_autotune=autotune_info)
+    state.startup["autotune_s"] = (autotune_info or {}).get("seconds", 0.0)
     setattr(model, _STATE, state)
     model.generate = types.MethodType(_accelerated_generate, model)
     model.generate_batch = types.MethodType(_accelerated_generate_batch, model)
@@ -124,6 +126,36 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     logger.info("hf_accel: accelerated %s with the %s backend in %.1f s", type(model).__name__, backend_cls.name,
                 state.startup["total_s"])
     return model
+
+
+def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
+                    device: torch.device) -> tuple[type, dict[str, Any] | None]:
+    """The backend class, and for "auto" on CUDA with several candidates the autotune record (chosen, timings).
+
+    The static rule (registry.select_backend) names the candidates in preference order; autotuning times them on
+    this model's shapes and keeps the fastest. If autotuning itself fails, the static choice stands (logged).
+    """
+    static = select_backend(cfg.attention_backend, spec, device)
+    if cfg.attention_backend != "auto" or device.type != "cuda" or not cfg.autotune_attention:
+        return static, None
+    candidates = auto_candidates(spec, device)
+    if len(candidates) < 2:
+        return static, None
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    t0 = time.perf_counter()
+    try:
+        best, timings = autotune_backends(candidates, spec, device, cfg.block_size or 16,
+                                          num_decode_seqs=min(32, cfg.max_num_seqs), num_layers=text.num_hidden_layers)
+    except Exception as exc:
+        logger.warning("hf_accel: attention autotune failed (%s: %s); using the static choice %s",
+                       type(exc).__name__, exc, static.name)
+        return static, {"chosen": static.name, "static_choice": static.name, "error": str(exc)}
+    seconds = time.perf_counter() - t0
+    summary = ", ".join(f"{name} " + (f"{t['score']:.3f}" if "score" in t else "failed") for name, t in timings.items())
+    logger.info("hf_accel: attention autotune chose %s in %.1f s (score = %s x decode ms + prefill ms: %s)",
+                best.name, seconds, DECODE_WEIGHT, summary)
+    return best, {"chosen": best.name, "static_choice": static.name, "seconds": seconds,
+                  "candidates": [c.name for c in candidates], "timings": timings}
 
 
 def restore(model):

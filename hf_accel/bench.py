@@ -977,6 +977,15 @@ def format_report(report: dict[str, Any]) -> str:
         head.append(f"engine: backend={info.get('attention_backend')}  graphs={info.get('cudagraph_mode')}  "
                     f"compile={info.get('compile')}  block_size={info.get('block_size')}  "
                     f"kv_blocks={info.get('num_kv_blocks')}")
+        tune = info.get("backend_autotune")
+        if tune and tune.get("timings"):
+            scores = ", ".join(f"{k} {v['score']:.3f}" if "score" in v else f"{k} failed"
+                               for k, v in tune["timings"].items())
+            head.append(f"attention 'auto': timed {tune.get('candidates')} in {tune.get('seconds', 0):.1f} s, chose "
+                        f"{tune.get('chosen')} (static order: {tune.get('static_choice')}); score = 4 x decode ms + "
+                        f"prefill ms: {scores}")
+        elif tune and tune.get("error"):
+            head.append(f"attention 'auto': autotune failed ({tune['error']}), static choice {tune.get('chosen')}")
     bw = env.get("copy_bandwidth_bytes_per_s")
     if bw:
         head.append(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (roofline = weights + KV read once per step)")

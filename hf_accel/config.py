@@ -48,6 +48,9 @@ class AccelConfig:
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
     compile_cache_dir: str | None = None  # None: ~/.cache/hf_accel; "" disables the on-disk compile cache
+    # attention_backend="auto" on CUDA: time the valid backends on this model's shapes at warm-up (about a second
+    # each, plus any first-use JIT of a library) and keep the fastest; False takes the static preference order
+    autotune_attention: bool = True
     extra: dict = field(default_factory=dict)
 
     def updated(self, **overrides) -> AccelConfig:

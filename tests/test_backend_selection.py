@@ -629,3 +629,61 @@ def test_autotune_times_candidates_and_drops_failures():
         entry = timings[cls.name]
         assert "error" in entry or entry["decode_ms"] > 0 and entry["prefill_ms"] > 0
     assert "score" in timings[chosen.name]
+
+
+# ---- "auto" at accelerate_model: autotune wiring (CPU, the timing faked) ---------------------------------------------
+class _FakeConfig:
+    num_hidden_layers = 7
+
+
+class _FakeModel:
+    config = _FakeConfig()
+
+
+def _fake_choice(monkeypatch, outcome):
+    from hf_accel import api
+    from hf_accel.attention.triton_backend import TritonAttentionBackend
+
+    calls = {}
+    monkeypatch.setattr(api, "select_backend", lambda name, spec, device: FlashInferBackend)
+    monkeypatch.setattr(api, "auto_candidates", lambda spec, device: [FlashInferBackend, TritonAttentionBackend])
+
+    def fake_autotune(candidates, spec, device, block_size_hint, **kw):
+        calls.update(kw, candidates=[c.name for c in candidates])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return TritonAttentionBackend, {"flashinfer": {"score": 2.0}, "triton": {"score": 1.0}}
+
+    monkeypatch.setattr(api, "autotune_backends", fake_autotune)
+    return api, calls
+
+
+def test_auto_on_cuda_keeps_the_autotuned_backend(monkeypatch):
+    from hf_accel.config import AccelConfig
+
+    api, calls = _fake_choice(monkeypatch, None)
+    cls, info = api._choose_backend(_FakeModel(), AccelConfig(max_num_seqs=8), SPEC, CUDA)
+    assert cls.name == "triton"
+    assert info["chosen"] == "triton" and info["static_choice"] == "flashinfer"
+    assert info["timings"]["triton"]["score"] == 1.0 and info["seconds"] >= 0
+    assert calls["num_layers"] == 7 and calls["num_decode_seqs"] == 8  # the model's own shape
+    assert calls["candidates"] == ["flashinfer", "triton"]
+
+
+def test_autotune_failure_keeps_the_static_choice(monkeypatch):
+    from hf_accel.config import AccelConfig
+
+    api, _ = _fake_choice(monkeypatch, RuntimeError("no candidate could run"))
+    cls, info = api._choose_backend(_FakeModel(), AccelConfig(), SPEC, CUDA)
+    assert cls is FlashInferBackend and "no candidate" in info["error"]
+
+
+@pytest.mark.parametrize("cfg_kw", [{"attention_backend": "flashinfer"}, {"autotune_attention": False}])
+def test_named_backend_or_autotune_off_is_not_timed(monkeypatch, cfg_kw):
+    from hf_accel.config import AccelConfig
+
+    api, calls = _fake_choice(monkeypatch, AssertionError("must not be called"))
+    cls, info = api._choose_backend(_FakeModel(), AccelConfig(**cfg_kw), SPEC, CUDA)
+    assert cls is FlashInferBackend and info is None and not calls
+    cls, info = api._choose_backend(_FakeModel(), AccelConfig(), SPEC, CPU)  # off CUDA: never timed
+    assert info is None

@@ -1,9 +1,11 @@
 """Pick the fastest attention backend for this model on this GPU by timing it on synthetic steps.
 
 The static "auto" order (registry.py) is a good guess, but which kernel wins depends on head dim, GQA group size,
-window/softcap and GPU. So at warm-up we time each valid candidate's `prepare` + `forward` on one decode step
-and one prefill step shaped like the model's, within a small time budget, and keep the fastest. Decode counts
-more (`decode_weight`): a generation runs one decode step per new token but prefills each prompt once.
+window/softcap and GPU. So `accelerate_model(attention_backend="auto")` on CUDA times each valid candidate on one
+decode step and one prefill step shaped like the model's (its heads, head dim, dtype and layer count), within a
+small time budget, and keeps the fastest. A step costs the host's `prepare()` plus the GPU time of one forward per
+layer (decode replayed from a CUDA graph, as the engine runs it). Decode counts more (`decode_weight`): a
+generation runs one decode step per new token but prefills each prompt once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 
 import torch
 
-from hf_accel.attention.backend import AttentionBackend, AttentionSpec
+from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport
 from hf_accel.attention.metadata import StepMetadata
 
 logger = logging.getLogger(__name__)
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 MIN_SAMPLES = 3  # timed samples per shape even when the budget is spent (first-call compiles can eat it)
 MAX_SAMPLES = 50
 WARMUP_CALLS = 2  # after the first call, which may JIT-compile
+DECODE_WEIGHT = 4.0  # a decode step's time counts this many times a prefill step's in the score
 
 
 def synthetic_step_metadata(seqs: list[tuple[int, int]], block_size: int, device: torch.device, *,
@@ -69,9 +72,31 @@ def synthetic_step_metadata(seqs: list[tuple[int, int]], block_size: int, device
     return meta, 1 + sum(pages)
 
 
+def _capture(fn, device: torch.device) -> torch.cuda.CUDAGraph | None:
+    """`fn` recorded in a CUDA graph, or None when it cannot be captured (then it is timed eagerly)."""
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph
+    except Exception:
+        torch.cuda.synchronize(device)
+        return None
+
+
 def _time_shape(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetadata, caches: tuple, *,
-                num_layers: int, budget_s: float) -> float:
-    """Median milliseconds of one step (prepare + num_layers forwards) of this shape."""
+                num_layers: int, budget_s: float, graph: bool) -> float:
+    """Milliseconds of one step of this shape: host prepare() plus the GPU time of num_layers forwards.
+
+    With `graph`, the forwards are timed as one CUDA-graph replay, as the engine runs them (otherwise a small
+    decode step would measure Python launch overhead, not the kernels); prepare() runs on the host before every
+    step either way, so its median wall time is added.
+    """
     device = backend.device
     rows = meta.slot_mapping.shape[0]
     query = torch.randn(rows, spec.num_heads, spec.head_dim, device=device, dtype=spec.dtype)
@@ -79,25 +104,33 @@ def _time_shape(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetada
     scale = spec.head_dim**-0.5
     softcap = 50.0 if spec.uses_softcap else 0.0
 
-    def step() -> None:
-        backend.prepare(meta)
+    def layers() -> None:
         for _ in range(num_layers):
             backend.forward(query, caches[0], caches[1], meta, output, scale, 0, softcap)
 
-    step()  # may compile; raises for a candidate that cannot run this shape
+    backend.prepare(meta)
+    layers()  # may compile or plan; raises for a candidate that cannot run this shape
+    prepare_s = []
+    for _ in range(WARMUP_CALLS + MIN_SAMPLES):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        backend.prepare(meta)
+        prepare_s.append(time.perf_counter() - t0)
+    captured = _capture(layers, device) if graph else None
+    run = captured.replay if captured is not None else layers
     for _ in range(WARMUP_CALLS):
-        step()
+        run()
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples: list[float] = []
     deadline = time.perf_counter() + budget_s
     while len(samples) < MIN_SAMPLES or (len(samples) < MAX_SAMPLES and time.perf_counter() < deadline):
         start.record()
-        step()
+        run()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    return statistics.median(samples) + 1e3 * statistics.median(prepare_s)
 
 
 def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: torch.device, block_size_hint: int,
@@ -114,15 +147,22 @@ def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: to
     backend = cls(spec, device, block_size, max_num_seqs=max(len(decode_seqs), len(prefill_seqs)),
                   max_num_tokens=max(decode_meta.num_tokens, prefill_meta.num_tokens),
                   max_blocks_per_seq=max_blocks_per_seq)
-    decode_ms = _time_shape(backend, spec, decode_meta, caches, num_layers=num_layers, budget_s=budget_s / 2)
-    prefill_ms = _time_shape(backend, spec, prefill_meta, caches, num_layers=num_layers, budget_s=budget_s / 2)
+    # decode steps replay as full CUDA graphs where the backend allows it; prefill attention runs eagerly between
+    # piecewise graphs, so it is timed eagerly (its kernels dwarf the launch cost anyway)
+    graph_decode = backend.cudagraph_support != CUDAGraphSupport.NEVER
+    if graph_decode and hasattr(backend, "set_cudagraph_batch_sizes"):
+        backend.set_cudagraph_batch_sizes([len(decode_seqs)])
+    decode_ms = _time_shape(backend, spec, decode_meta, caches, num_layers=num_layers, budget_s=budget_s / 2,
+                            graph=graph_decode)
+    prefill_ms = _time_shape(backend, spec, prefill_meta, caches, num_layers=num_layers, budget_s=budget_s / 2,
+                             graph=False)
     return {"decode_ms": decode_ms, "prefill_ms": prefill_ms, "block_size": float(block_size)}
 
 
 def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionSpec, device: torch.device,
                       block_size_hint: int, num_decode_seqs: int = 32, decode_context: int = 1024,
                       prefill_tokens: int = 2048, time_budget_s: float = 2.0, *, num_layers: int = 1,
-                      decode_weight: float = 4.0, prefill_seq_len: int = 1024,
+                      decode_weight: float = DECODE_WEIGHT, prefill_seq_len: int = 1024,
                       ) -> tuple[type[AttentionBackend], dict[str, dict[str, float | str]]]:
     """Time each candidate on a decode and a prefill step of this model's attention shape; return the fastest.
 
