@@ -18,6 +18,7 @@ from hf_accel.attention.autotune import DECODE_WEIGHT, autotune_backends
 from hf_accel.attention.backend import AttentionSpec
 from hf_accel.attention.op import ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward
 from hf_accel.attention.registry import auto_candidates, available_backends_for, select_backend
+from hf_accel.compilation.linear_packing import PackRecord, pack_sibling_linears, unpack_sibling_linears
 from hf_accel.config import AccelConfig
 from hf_accel.engine.engine import LLMEngine, ModelShape
 from hf_accel.generation import EngineGenerator, stock_reason
@@ -37,6 +38,7 @@ class AccelState:
     startup: dict[str, float] = field(default_factory=dict)
     extra_info: dict[str, Any] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
+    packed_linears: PackRecord | None = None
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -105,14 +107,18 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
     original = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION_NAME)
+    # compiled forwards run q/k/v and gate/up as one GEMM each: give those weights one storage (no copy kept)
+    packed = pack_sibling_linears(model) if cfg.compile else None
     try:
         patch_s = time.perf_counter() - t0
         engine = LLMEngine(model, cfg, backend_cls, spec)
     except BaseException:
         model.set_attn_implementation(original)
+        if packed is not None:
+            unpack_sibling_linears(packed)
         raise
     state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
-                       original_attn_implementation=original, backend_name=backend_cls.name)
+                       original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed)
     ci = engine.compile_info
     state.startup = {"patch_s": patch_s, "kv_cache_s": engine.stats.timings.get("kv_cache_s", 0.0),
                      "compile_s": ci.get("compile_s", 0.0), "capture_s": ci.get("capture_s", 0.0)}
@@ -167,6 +173,8 @@ def restore(model):
         if name in model.__dict__:
             del model.__dict__[name]
     model.set_attn_implementation(state.original_attn_implementation)
+    if state.packed_linears is not None:
+        unpack_sibling_linears(state.packed_linears)
     delattr(model, _STATE)
     state.engine.kv_caches.clear()
     if torch.cuda.is_available():

@@ -555,3 +555,73 @@ def test_gpu_full_graphs_for_uniform_decode_match_eager():
         with torch.inference_mode():
             out = full.replay(padded)[:, :b].clone()
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------ q/k/v and gate/up as one GEMM
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_packed_sibling_linears_merge_into_one_gemm(family, compiler):
+    from hf_accel.compilation.linear_packing import pack_sibling_linears, unpack_sibling_linears
+
+    model = make_model(family, num_layers=3)
+    layers = model.config.num_hidden_layers
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model)
+
+    record = pack_sibling_linears(model)
+    assert record.groups == 2 * layers  # q/k/v and gate/up in every layer
+    attn = model.model.layers[1].self_attn
+    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert k.storage_offset() == q.numel() and v.storage_offset() == q.numel() + k.numel()
+    for name, value in model.state_dict().items():  # same values and shapes: the modules are untouched
+        assert torch.equal(value, before[name]), name
+
+    pf = compile_piecewise(eager, capture_sizes=[4, 8, 16], use_cudagraph=False, compiler=compiler)
+    compile_on_example(steps, pf)
+    assert pf.stats.num_merged_linears == 2 * layers
+    assert pf.stats.num_compiled == 3  # the middle layers' pieces are still shared
+    for name in pf.piece_names:  # inside every piece: no more than two linears per layer's worth of projections
+        sub = pf.split_gm._modules[name]
+        assert not any(n.target is torch.nn.functional.linear and n.args[1].name.endswith("k_proj_parameters_weight_")
+                       for n in sub.graph.nodes if n.op == "call_function")
+    check_against_eager(steps, eager, pf)  # the eager forward uses the packed weights as plain parameters
+
+    unpack_sibling_linears(record)
+    assert k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_packing_skips_tied_and_mismatched_weights():
+    from hf_accel.compilation.linear_packing import pack_sibling_linears
+
+    model = make_model("llama", num_layers=2)
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj.weight = mlp.gate_proj.weight  # tied: must keep its own storage
+    attn = model.model.layers[1].self_attn
+    attn.k_proj.weight.data = attn.k_proj.weight.data.to(torch.float64)  # dtype differs from q/v
+    record = pack_sibling_linears(model)
+    assert record.groups == 2  # layer 0 q/k/v and layer 1 gate/up only
+    assert attn.q_proj.weight.untyped_storage().data_ptr() != attn.v_proj.weight.untyped_storage().data_ptr()
+
+
+def test_accelerate_and_restore_pack_and_unpack_with_compile(tmp_path):
+    from hf_accel import accelerate_model, restore
+
+    model = make_model("llama", num_layers=2)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(10, 100, (1, 9))
+    want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    from hf_accel.config import AccelConfig
+
+    accelerate_model(model, compile=True, num_kv_blocks=64, config=AccelConfig(compile_cache_dir=""))
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
+    model.save_pretrained(tmp_path / "saved")  # packed views save as ordinary tensors
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "saved")
+    assert torch.equal(reloaded.model.layers[0].self_attn.k_proj.weight, attn.k_proj.weight)
+    restore(model)
+    assert attn.k_proj.weight.untyped_storage().data_ptr() != attn.q_proj.weight.untyped_storage().data_ptr()

@@ -41,6 +41,7 @@ from torch.fx.passes.split_module import split_module
 
 import hf_accel.attention.op  # noqa: F401  (registers torch.ops.hf_accel.attention)
 from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, weak_ref_tree
+from hf_accel.compilation.linear_packing import merge_packed_linears
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class CompileStats:
     num_attention: int = 0  # attention submodules (one per layer)
     num_compiled: int = 0  # distinct compiles after sharing identical pieces
     num_graphable: int = 0  # pieces that get CUDA graphs
+    num_merged_linears: int = 0  # groups of sibling linears run as one GEMM (linear_packing)
     trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend)
     compile_seconds: float = 0.0  # split + Inductor
     capture_seconds: float = 0.0
@@ -209,7 +211,7 @@ class PiecewiseForward:
                  splitting_ops: Sequence[Any] | None = None, share_identical_pieces: bool = True,
                  token_dims: Sequence[tuple[int, int]] = ((0, 1), (1, 1)),
                  other_dynamic_dims: Sequence[tuple[int, int]] = ((2, 0),),
-                 bypass_dynamo: bool = True) -> None:
+                 bypass_dynamo: bool = True, merge_linears: bool = True) -> None:
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"compiler must be 'inductor' or 'eager', got {compiler!r}")
         self.forward_fn = forward_fn
@@ -222,6 +224,7 @@ class PiecewiseForward:
         self.token_dims = tuple(token_dims)
         self.other_dynamic_dims = tuple(other_dynamic_dims)
         self.bypass_dynamo = bypass_dynamo
+        self.merge_linears = merge_linears
         self.stats = CompileStats()
         # set by the backend
         self.split_gm: torch.fx.GraphModule | None = None
@@ -275,9 +278,11 @@ class PiecewiseForward:
             self._tracing_args = None
         self.stats.trace_seconds = max(0.0, total - self.stats.compile_seconds)
         logger.info(
-            "piecewise compile: %d pieces (%d compiled, %d graphable) + %d attention ops in %.2f s "
+            "piecewise compile: %d pieces (%d compiled, %d graphable, %d merged linear groups) + %d attention ops "
+            "in %.2f s "
             "(trace+first run %.2f s, split+%s %.2f s); %s", self.stats.num_pieces, self.stats.num_compiled,
-            self.stats.num_graphable, self.stats.num_attention, total, self.stats.trace_seconds, self.compiler,
+            self.stats.num_graphable, self.stats.num_merged_linears, self.stats.num_attention, total,
+            self.stats.trace_seconds, self.compiler,
             self.stats.compile_seconds,
             "calls bypass Dynamo" if self.bypasses_dynamo else f"calls go through Dynamo ({self._bind_error})")
         return out
@@ -300,6 +305,8 @@ class PiecewiseForward:
         if self.split_gm is not None:
             logger.warning("hf_accel piecewise backend called again (Dynamo recompiled the forward)")
         t0 = time.perf_counter()
+        if self.merge_linears:
+            self.stats.num_merged_linears = merge_packed_linears(gm, example_inputs)
         split_gm = self._build(gm, example_inputs)
         self.stats.compile_seconds = time.perf_counter() - t0
         if self._tracing_args is not None:
