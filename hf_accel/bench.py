@@ -492,6 +492,13 @@ def measure_method(method: str, spec: WorkloadSpec, make_call: Callable[[list[li
     return rec, first
 
 
+def anchor_warmup(args: argparse.Namespace, anchor: str) -> int:
+    """Warm-up calls for an anchor: --anchor-warmup (default --warmup), but never 0 for "static", whose first call
+    per batch shape is transformers' torch.compile (tens of seconds), not a generation speed."""
+    n = args.anchor_warmup if args.anchor_warmup is not None else args.warmup
+    return max(n, 1) if anchor == "static" else n
+
+
 def make_caller(spec: WorkloadSpec, model, device: torch.device, static: bool = False):
     if spec.api == "generate_batch":
         return lambda prompts: call_generate_batch(model, prompts, spec.new_tokens)
@@ -913,7 +920,7 @@ def run_throughput(args: argparse.Namespace, report: dict[str, Any], workloads: 
                 continue
             caller = make_caller(spec, model, device, static=anchor == "static")
             rec, firsts[(w, anchor)] = measure_method(
-                anchor, spec, caller, vocab, args.anchor_warmup if args.anchor_warmup is not None else args.warmup,
+                anchor, spec, caller, vocab, anchor_warmup(args, anchor),
                 args.anchor_repeats if args.anchor_repeats is not None else args.repeats, device, progress)
             if anchor == "static":
                 rec["compiled_by_transformers"] = device.type in ("cuda", "xpu")
@@ -1246,9 +1253,9 @@ def run(args: argparse.Namespace) -> int:
 
     n_anchor_calls = 0
     for spec in specs.values():
-        per = (args.anchor_warmup if args.anchor_warmup is not None else args.warmup) + (
-            args.anchor_repeats if args.anchor_repeats is not None else args.repeats)
-        n_anchor_calls += per * sum(1 for a in anchors if (a == "generate_batch") == (spec.api == "generate_batch"))
+        reps = args.anchor_repeats if args.anchor_repeats is not None else args.repeats
+        n_anchor_calls += sum(anchor_warmup(args, a) + reps for a in anchors
+                              if (a == "generate_batch") == (spec.api == "generate_batch"))
     n_guard = 2 * (2 + ("w2" in specs) + ("w3" in specs)) if specs else 0
     total = ("startup" in workloads) * 2 + len(specs) * (args.warmup + args.repeats) + n_guard + n_anchor_calls
     progress = Progress(total, enabled=not args.no_progress)

@@ -186,7 +186,8 @@ def test_bench_w1_tiny_cpu(tmp_path, capsys) -> None:
     assert set(w1["methods"]) == {"ours", "eager", "static"}
     for name, rec in w1["methods"].items():
         assert rec["valid"] is True
-        assert len(rec["run_s"]) == 1 and len(rec["warmup_s"]) == (1 if name == "ours" else 0)
+        # "static" always gets one warm-up: its first call is transformers compiling
+        assert len(rec["run_s"]) == 1 and len(rec["warmup_s"]) == (1 if name in ("ours", "static") else 0)
         assert rec["tokens"] == [32]
         assert rec["median_tokens_per_s"] > 0
     assert w1["ratios"]["ours/eager"] > 0
