@@ -573,9 +573,9 @@ def _divergences(a: list[list[int]], b: list[list[int]]) -> list[dict[str, int]]
         if x != y:
             step = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
             if step < len(x):
-                out.append({"row": row, "step": step, "ours": x[step]})
+                out.append({"row": row, "step": step, "ours": x[step], "ours_before": x[:step]})
             else:  # a length mismatch is never a near-tie
-                out.append({"row": row, "step": step, "ours": -1})
+                out.append({"row": row, "step": step, "ours": -1, "ours_before": x[:step]})
     return out
 
 
@@ -586,24 +586,24 @@ def tie_margin_for(dtype: torch.dtype, top_logit: float) -> float:
     return GUARD_TIE_ULPS * 2.0 ** (exponent - mantissa_bits)
 
 
-def reference_margins(model, case: GuardCase, divergences: list[dict[str, int]],
+def reference_margins(model, case: GuardCase, divergences: list[dict[str, Any]],
                       device: torch.device) -> list[tuple[float, float]]:
-    """For each divergence: (the reference's top-1 logit minus its logit for our token at that step, top-1 logit).
+    """For each divergence: (the reference's top-1 logit minus its logit for our token, its top-1 logit).
 
-    The divergent rows are re-run (one batch) through the reference with output_scores; a small lead means the two
-    runs parted at a rounding near-tie, a large one means our token is wrong.
+    Teacher-forced: the reference is fed the prompt plus exactly the tokens we produced before the divergence and
+    scores the next one, so both sides see the same prefix (re-generating would let the reference drift onto
+    other near-ties first). A small lead means the runs parted at a rounding near-tie; a large one, a wrong token.
     """
-    rows = [d["row"] for d in divergences]
-    steps = max(d["step"] for d in divergences) + 1
-    input_ids, attention_mask = left_pad([case.prompts[r] for r in rows], device)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, do_sample=False,
+    prompts = [case.prompts[d["row"]] + list(d["ours_before"]) for d in divergences]
+    input_ids, attention_mask = left_pad(prompts, device)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=1, do_sample=False,
                          return_dict_in_generate=True, output_scores=True)
     margins = []
     for i, d in enumerate(divergences):
-        if d["ours"] < 0 or d["step"] >= len(out.scores):
+        if d["ours"] < 0:
             margins.append((float("inf"), float("nan")))
             continue
-        scores = out.scores[d["step"]][i].float()
+        scores = out.scores[0][i].float()
         margins.append((float(scores.max() - scores[d["ours"]]), float(scores.max())))
     return margins
 

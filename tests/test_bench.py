@@ -246,7 +246,7 @@ def test_guard_accepts_only_near_ties(monkeypatch, lead: float, ok: bool) -> Non
     cases = [bench.GuardCase("b2", "generate", [[11, 12], [13, 14]], 4)]
     guard = bench.compare_guard(cases, {"b2": [[1, 2, 3, 4], [5, 6, 7, 8]]}, {"b2": [[1, 2, 9, 9], [5, 6, 7, 8]]})
     assert guard["passed"] is False
-    assert guard["cases"]["b2"]["divergences"] == [{"row": 0, "step": 2, "ours": 3}]
+    assert guard["cases"]["b2"]["divergences"] == [{"row": 0, "step": 2, "ours": 3, "ours_before": [1, 2]}]
     seen = {}
 
     def fake_margins(model, case, divergences, device):
@@ -265,3 +265,18 @@ def test_tie_margin_scales_with_the_top_logit_and_dtype() -> None:
     assert bench.tie_margin_for(torch.bfloat16, -20.0) == 16 * 2.0**-3
     assert bench.tie_margin_for(torch.float16, 3.0) == 16 * 2.0**-9
     assert bench.tie_margin_for(torch.float32, 3.0) < 1e-5  # CPU float32 runs stay strict
+
+
+def test_reference_margins_are_teacher_forced_on_our_prefix() -> None:
+    model = bench.build_model("tiny", None, torch.float32, torch.device("cpu"))
+    bench.disable_eos(model)
+    prompts = bench.random_prompts([5, 9], seed=1, vocab_size=model.config.vocab_size)
+    case = bench.GuardCase("c", "generate", prompts, 6)
+    divs = [{"row": 1, "step": 3, "ours": 42, "ours_before": [11, 12, 13]},
+            {"row": 0, "step": 0, "ours": 7, "ours_before": []}]
+    margins = bench.reference_margins(model, case, divs, torch.device("cpu"))
+    for d, (lead, top) in zip(divs, margins, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompts[d["row"]] + d["ours_before"]])).logits[0, -1].float()
+        assert top == pytest.approx(float(logits.max()), abs=1e-4)
+        assert lead == pytest.approx(float(logits.max() - logits[d["ours"]]), abs=1e-4)

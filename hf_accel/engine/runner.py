@@ -263,8 +263,11 @@ class ModelRunner:
             metas: dict = {}
 
             def prepare_full(key):
+                # a uniform-decode graph is captured on a decode step (backends may take a decode-only path); a
+                # mixed graph on a prefill-shaped step padded to b rows, so the path it freezes serves any mix
                 b = key.num_tokens
-                metas[key] = meta = self.upload(self.dummy_inputs([1] * b), b, b)
+                lens = [1] * b if key.uniform_decode else [b]
+                metas[key] = meta = self.upload(self.dummy_inputs(lens), b, b)
                 self.backend.prepare(meta)
 
             def run_full(key):
@@ -293,7 +296,9 @@ class ModelRunner:
         if d.mode.value == "full" and self.full_graphs is not None and d.key in self.full_graphs:
             meta = self.upload(inp, d.num_tokens, d.num_tokens)
             self.backend.prepare(meta)
-            return self.full_graphs.replay(d.key)[0, :n]
+            logits = self.full_graphs.replay(d.key)[0]  # one row per (padded) token
+            # uniform decode: token i is sequence i; mixed: the last token of each sampling sequence
+            return logits[:n] if d.uniform_decode else logits[self.logits_indices[:n]]
         if self.piecewise is None:
             return None
         tp = d.num_tokens if d.mode.value == "piecewise" else t
