@@ -14,7 +14,13 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from hf_accel.attention.autotune import DECODE_WEIGHT, autotune_backends
+from hf_accel.attention.autotune import (
+    DECODE_WEIGHT,
+    autotune_backends,
+    autotune_cache_file,
+    load_cached_choice,
+    store_choice,
+)
 from hf_accel.attention.backend import AttentionSpec
 from hf_accel.attention.op import ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward
 from hf_accel.attention.registry import auto_candidates, available_backends_for, select_backend
@@ -120,11 +126,12 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
                        original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed)
     ci = engine.compile_info
-    state.startup = {"patch_s": patch_s, "kv_cache_s": engine.stats.timings.get("kv_cache_s", 0.0),
+    autotune_s = (autotune_info or {}).get("seconds", 0.0)
+    state.startup = {"patch_s": patch_s - autotune_s, "autotune_s": autotune_s,
+                     "kv_cache_s": engine.stats.timings.get("kv_cache_s", 0.0),
                      "compile_s": ci.get("compile_s", 0.0), "capture_s": ci.get("capture_s", 0.0)}
     state.extra_info.update(graph_pool_bytes=ci.get("graph_pool_bytes", 0), compile_cache=ci.get("compile_cache"),
                             effective_cudagraph_mode=ci.get("cudagraph_mode", "none"), backend_autotune=autotune_info)
-    state.startup["autotune_s"] = (autotune_info or {}).get("seconds", 0.0)
     setattr(model, _STATE, state)
     model.generate = types.MethodType(_accelerated_generate, model)
     model.generate_batch = types.MethodType(_accelerated_generate_batch, model)
@@ -139,7 +146,9 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
     """The backend class, and for "auto" on CUDA with several candidates the autotune record (chosen, timings).
 
     The static rule (registry.select_backend) names the candidates in preference order; autotuning times them on
-    this model's shapes and keeps the fastest. If autotuning itself fails, the static choice stands (logged).
+    this model's shapes and keeps the fastest; the answer is remembered on disk beside the compile cache (keyed by
+    GPU, shape, candidates, library versions and our sources), so a second start skips the timing. If autotuning
+    itself fails, the static choice stands (logged).
     """
     static = select_backend(cfg.attention_backend, spec, device)
     if cfg.attention_backend != "auto" or device.type != "cuda" or not cfg.autotune_attention:
@@ -148,19 +157,28 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
     if len(candidates) < 2:
         return static, None
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    shape = {"num_decode_seqs": min(32, cfg.max_num_seqs), "num_layers": text.num_hidden_layers,
+             "block_size_hint": cfg.block_size or 16}
+    cache_file = autotune_cache_file(cfg.compile_cache_dir, spec, device, candidates, **shape)
+    cached = load_cached_choice(cache_file, candidates)
+    if cached is not None:
+        logger.info("hf_accel: attention autotune: %s (remembered in %s)", cached[0].name, cache_file)
+        return cached[0], {"chosen": cached[0].name, "static_choice": static.name, "seconds": 0.0, "cached": True,
+                           "candidates": [c.name for c in candidates], "timings": cached[1]}
     t0 = time.perf_counter()
     try:
-        best, timings = autotune_backends(candidates, spec, device, cfg.block_size or 16,
-                                          num_decode_seqs=min(32, cfg.max_num_seqs), num_layers=text.num_hidden_layers)
+        best, timings = autotune_backends(candidates, spec, device, shape["block_size_hint"],
+                                          num_decode_seqs=shape["num_decode_seqs"], num_layers=shape["num_layers"])
     except Exception as exc:
         logger.warning("hf_accel: attention autotune failed (%s: %s); using the static choice %s",
                        type(exc).__name__, exc, static.name)
         return static, {"chosen": static.name, "static_choice": static.name, "error": str(exc)}
     seconds = time.perf_counter() - t0
+    store_choice(cache_file, best, timings)
     summary = ", ".join(f"{name} " + (f"{t['score']:.3f}" if "score" in t else "failed") for name, t in timings.items())
     logger.info("hf_accel: attention autotune chose %s in %.1f s (score = %s x decode ms + prefill ms: %s)",
                 best.name, seconds, DECODE_WEIGHT, summary)
-    return best, {"chosen": best.name, "static_choice": static.name, "seconds": seconds,
+    return best, {"chosen": best.name, "static_choice": static.name, "seconds": seconds, "cached": False,
                   "candidates": [c.name for c in candidates], "timings": timings}
 
 

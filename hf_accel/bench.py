@@ -1073,7 +1073,7 @@ def format_report(report: dict[str, Any]) -> str:
             es = rec.get("engine_startup") or {}
             cc = rec.get("compile_cache") or {}
             if not rec.get("valid"):
-                rows.append([phase, "INVALID: " + "; ".join(rec.get("reasons", []))[:200], *[""] * 8])
+                rows.append([phase, "INVALID: " + "; ".join(rec.get("reasons", []))[:200], *[""] * 9])
                 continue
             limit = tgt.get(f"startup_{phase}_s")
             total = rec.get("total_s")
@@ -1083,13 +1083,15 @@ def format_report(report: dict[str, Any]) -> str:
             if tgt.get("graph_pool_bytes") and isinstance(pool, int | float):
                 verdict += f"  pool <= 1 GiB {'met' if pool <= tgt['graph_pool_bytes'] else 'NOT met'}"
             warm = cc.get("warm")
-            rows.append([phase, _num(es.get("patch_s"), 2), _num(es.get("kv_cache_s"), 2),
-                         _num(es.get("compile_s"), 2), _num(es.get("capture_s"), 2), _num(rec.get("accelerate_s"), 2),
+            rows.append([phase, _num(es.get("patch_s"), 2), _num(es.get("autotune_s"), 2),
+                         _num(es.get("kv_cache_s"), 2), _num(es.get("compile_s"), 2), _num(es.get("capture_s"), 2),
+                         _num(rec.get("accelerate_s"), 2),
                          _num(rec.get("first_token_s"), 2), _num(total, 2),
                          f"{pool / GIB:.2f} GiB" if isinstance(pool, int | float) else "-",
                          (f"engine saw cache warm={warm}  " if warm is not None else "") + verdict])
         out.append(f"startup (accelerate_model -> first token, {st.get('isolation')} isolation), seconds\n" + _table(
-            rows, ["cache", "patch", "kv cache", "compile", "capture", "accelerate_model", "first token", "total",
+            rows, ["cache", "patch", "autotune", "kv cache", "compile", "capture", "accelerate_model", "first token",
+                   "total",
                    "graph pool", ""]))
     return "\n\n".join(out)
 
@@ -1124,7 +1126,7 @@ def write_plot(report: dict[str, Any], path: str) -> None:
         ax.tick_params(axis="x", labelrotation=20)
     if has_startup:
         ax = axes[0][-1]
-        parts = ("patch_s", "kv_cache_s", "compile_s", "capture_s")
+        parts = ("patch_s", "autotune_s", "kv_cache_s", "compile_s", "capture_s")
         bottoms = [0.0, 0.0]
         for part in (*parts, "first_token_s"):
             vals = []

@@ -658,23 +658,38 @@ def _fake_choice(monkeypatch, outcome):
     return api, calls
 
 
-def test_auto_on_cuda_keeps_the_autotuned_backend(monkeypatch):
+def test_auto_on_cuda_keeps_the_autotuned_backend_and_remembers_it(monkeypatch, tmp_path):
     from hf_accel.config import AccelConfig
 
     api, calls = _fake_choice(monkeypatch, None)
-    cls, info = api._choose_backend(_FakeModel(), AccelConfig(max_num_seqs=8), SPEC, CUDA)
+    cfg = AccelConfig(max_num_seqs=8, compile_cache_dir=str(tmp_path))
+    cls, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)
     assert cls.name == "triton"
-    assert info["chosen"] == "triton" and info["static_choice"] == "flashinfer"
+    assert info["chosen"] == "triton" and info["static_choice"] == "flashinfer" and info["cached"] is False
     assert info["timings"]["triton"]["score"] == 1.0 and info["seconds"] >= 0
     assert calls["num_layers"] == 7 and calls["num_decode_seqs"] == 8  # the model's own shape
     assert calls["candidates"] == ["flashinfer", "triton"]
+    assert len(list((tmp_path / "autotune").glob("*.json"))) == 1
+
+    calls.clear()  # a second start: the remembered choice, no timing
+    cls, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)
+    assert cls.name == "triton" and info["cached"] is True and not calls
+    assert info["timings"]["triton"]["score"] == 1.0
+
+    other = AccelConfig(max_num_seqs=16, compile_cache_dir=str(tmp_path))  # another shape: timed again
+    api._choose_backend(_FakeModel(), other, SPEC, CUDA)
+    assert calls["num_decode_seqs"] == 16
+
+    calls.clear()  # compile_cache_dir="" turns remembering off
+    api._choose_backend(_FakeModel(), AccelConfig(max_num_seqs=8, compile_cache_dir=""), SPEC, CUDA)
+    assert calls
 
 
 def test_autotune_failure_keeps_the_static_choice(monkeypatch):
     from hf_accel.config import AccelConfig
 
     api, _ = _fake_choice(monkeypatch, RuntimeError("no candidate could run"))
-    cls, info = api._choose_backend(_FakeModel(), AccelConfig(), SPEC, CUDA)
+    cls, info = api._choose_backend(_FakeModel(), AccelConfig(compile_cache_dir=""), SPEC, CUDA)
     assert cls is FlashInferBackend and "no candidate" in info["error"]
 
 
@@ -683,7 +698,7 @@ def test_named_backend_or_autotune_off_is_not_timed(monkeypatch, cfg_kw):
     from hf_accel.config import AccelConfig
 
     api, calls = _fake_choice(monkeypatch, AssertionError("must not be called"))
-    cls, info = api._choose_backend(_FakeModel(), AccelConfig(**cfg_kw), SPEC, CUDA)
+    cls, info = api._choose_backend(_FakeModel(), AccelConfig(compile_cache_dir="", **cfg_kw), SPEC, CUDA)
     assert cls is FlashInferBackend and info is None and not calls
     cls, info = api._choose_backend(_FakeModel(), AccelConfig(), SPEC, CPU)  # off CUDA: never timed
     assert info is None

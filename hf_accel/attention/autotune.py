@@ -10,10 +10,14 @@ generation runs one decode step per new token but prefills each prompt once.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -207,3 +211,56 @@ def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionS
         raise RuntimeError(f"attention autotune: no candidate could run: {timings}")
     best = min(timed, key=lambda cls: timings[cls.name]["score"])
     return best, timings
+
+
+# ---- the choice, remembered per GPU / model shape / library versions ------------------------------------------------
+def autotune_cache_file(cache_dir: str | None, spec: AttentionSpec, device: torch.device,
+                        candidates: list[type[AttentionBackend]], **shape: Any) -> Path | None:
+    """Where this exact tuning problem's answer is kept (None: caching disabled by cache_dir="").
+
+    The key holds everything the timings depend on: GPU, attention shape, layer count, the candidates, the
+    versions of torch/triton/flashinfer/flash-attn and hf_accel's own sources (a kernel change re-times).
+    """
+    if cache_dir is not None and str(cache_dir) == "":
+        return None
+    from hf_accel.compilation.cache import _package_version, default_cache_root, source_hash
+
+    try:
+        gpu = f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    except Exception:
+        gpu = "unknown"
+    payload = {
+        "gpu": gpu, "spec": repr(spec), "candidates": [c.name for c in candidates],
+        "shape": {k: str(v) for k, v in sorted(shape.items())},
+        "versions": {name: _package_version(name) for name in ("torch", "triton", "flashinfer-python", "flash-attn",
+                                                                "flash-attn-4")},
+        "hf_accel_sources": source_hash(),
+    }
+    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    base = root.parent if cache_dir is None else root  # default: ~/.cache/hf_accel/autotune beside .../compile
+    return base / "autotune" / f"{key}.json"
+
+
+def load_cached_choice(path: Path | None, candidates: list[type[AttentionBackend]],
+                       ) -> tuple[type[AttentionBackend], dict[str, Any]] | None:
+    """The remembered winner and its timings, if `path` holds one naming a current candidate."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    by_name = {c.name: c for c in candidates}
+    chosen = by_name.get(record.get("chosen"))
+    return (chosen, record.get("timings", {})) if chosen is not None else None
+
+
+def store_choice(path: Path | None, chosen: type[AttentionBackend], timings: dict[str, Any]) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"chosen": chosen.name, "timings": timings}, indent=1, default=str))
+    except OSError as exc:  # a read-only home is not a reason to fail accelerate_model
+        logger.debug("attention autotune: cannot write %s: %s", path, exc)
