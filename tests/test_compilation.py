@@ -625,3 +625,45 @@ def test_accelerate_and_restore_pack_and_unpack_with_compile(tmp_path):
     assert torch.equal(reloaded.model.layers[0].self_attn.k_proj.weight, attn.k_proj.weight)
     restore(model)
     assert attn.k_proj.weight.untyped_storage().data_ptr() != attn.q_proj.weight.untyped_storage().data_ptr()
+
+
+# ------------------------------------------------------------------ full graphs for mixed steps (capture skipped)
+class _FakeFullGraphs:
+    """Stands in for FullCUDAGraphRunner: replay returns logits whose row r holds r (one row per padded token)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.replayed = vocab, []
+
+    def __contains__(self, key) -> bool:
+        return True
+
+    def replay(self, key):
+        self.replayed.append(key)
+        return torch.arange(key.num_tokens, dtype=torch.float32)[None, :, None].expand(1, key.num_tokens, self.vocab)
+
+
+def test_full_mode_mixed_steps_gather_each_sequences_last_token():
+    from hf_accel import accelerate_model, engine_info
+    from hf_accel.attention.backend import CUDAGraphSupport as Support
+    from hf_accel.compilation.dispatcher import BatchKey
+    from hf_accel.engine.runner import ModelRunner
+
+    assert ModelRunner.full_capture_query_lens(BatchKey(8, True)) == [1] * 8
+    assert ModelRunner.full_capture_query_lens(BatchKey(8, False)) == [8]  # prefill-shaped: no decode-only path
+    assert ModelRunner.full_capture_query_lens(BatchKey(1, False)) == [1]
+
+    model = make_model("llama", num_layers=1)
+    model.config._attn_implementation = "sdpa"
+    accelerate_model(model, attention_backend="torch", enforce_eager=True, num_kv_blocks=32)
+    assert engine_info(model)["cudagraph_mode"] == "none"
+    runner = model._hf_accel_state.engine.runner
+    runner.dispatcher = CUDAGraphDispatcher("full", [8, 16], Support.ALWAYS, piecewise_available=False)
+    runner.full_graphs = fake = _FakeFullGraphs(vocab=4)
+
+    mixed = runner._compiled_forward(runner.dummy_inputs([3, 1, 2]))  # 6 tokens -> the mixed graph of 8
+    assert fake.replayed[-1] == BatchKey(8, False)
+    assert mixed[:, 0].tolist() == [2.0, 3.0, 5.0]  # each sequence's last token, not rows 0..2
+
+    decode = runner._compiled_forward(runner.dummy_inputs([1, 1, 1]))
+    assert fake.replayed[-1] == BatchKey(8, True)
+    assert decode[:, 0].tolist() == [0.0, 1.0, 2.0]

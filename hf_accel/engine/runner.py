@@ -263,11 +263,8 @@ class ModelRunner:
             metas: dict = {}
 
             def prepare_full(key):
-                # a uniform-decode graph is captured on a decode step (backends may take a decode-only path); a
-                # mixed graph on a prefill-shaped step padded to b rows, so the path it freezes serves any mix
                 b = key.num_tokens
-                lens = [1] * b if key.uniform_decode else [b]
-                metas[key] = meta = self.upload(self.dummy_inputs(lens), b, b)
+                metas[key] = meta = self.upload(self.dummy_inputs(self.full_capture_query_lens(key)), b, b)
                 self.backend.prepare(meta)
 
             def run_full(key):
@@ -286,6 +283,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             info["graph_pool_bytes"] = max(0, torch.cuda.memory_reserved(self.device) - before)
         return info
+
+    @staticmethod
+    def full_capture_query_lens(key) -> list[int]:
+        """The dummy step a full graph is captured on (its rows padded to key.num_tokens).
+
+        A uniform-decode graph is captured on a decode step (backends may freeze a decode-only path into it); a
+        mixed graph on one prefill-shaped sequence, so the path it freezes serves any mix of queries.
+        """
+        b = key.num_tokens
+        return [1] * b if key.uniform_decode or b == 1 else [b]
 
     def _compiled_forward(self, inp: StepInputs) -> torch.Tensor | None:
         """Dispatch FULL / PIECEWISE / NONE; None when nothing is compiled or captured (plain eager)."""
