@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU validation round this project runs on the H200 test machine (../shared/gpu/README.md), as one command on
+# a 2-GPU lease: tests on one GPU, benchmarks on the other, everything time-boxed, logs and JSON under $OUT.
+# Stage the optional libraries first (`bash .gpu/stage.sh a`, `bash .gpu/stage.sh b`), then carry .gpu/wheels and
+# .gpu/env.sh and run: `source .gpu/env.sh && bash examples/gpu_validation.sh [tests|bench|backends]`.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+P="-q -p no:cacheprovider -rs --durations=5"
+case "${1:-tests}" in
+  tests)  # every GPU test; the backend-selection parity suite pays FlashInfer's JIT per head dim on a fresh machine
+    (CUDA_VISIBLE_DEVICES=0 timeout 540 python3 -m pytest -m gpu $P tests/test_gpu_ab.py >"$OUT/ab.log" 2>&1) &
+    (CUDA_VISIBLE_DEVICES=1 timeout 540 python3 -m pytest -m gpu $P --ignore=tests/test_gpu_ab.py >"$OUT/rest.log" 2>&1) &
+    wait; tail -3 "$OUT/ab.log" "$OUT/rest.log" ;;
+  bench)  # WORKLOADS.md figures beside every stock anchor, both shapes
+    (CUDA_VISIBLE_DEVICES=0 timeout 580 hf-accel bench --workload w1,w2,w3 --shape qwen3-0.6b \
+      --anchors eager,static,generate_batch --anchor-repeats 1 --anchor-warmup 0 --no-progress \
+      --json "$OUT/qwen3.json" >"$OUT/qwen3.log" 2>&1) &
+    (CUDA_VISIBLE_DEVICES=1 timeout 580 hf-accel bench --workload w1,w2,startup --shape llama-3.1-8b \
+      --anchors eager,static --anchor-repeats 1 --anchor-warmup 0 --no-progress \
+      --json "$OUT/llama.json" >"$OUT/llama.log" 2>&1) &
+    wait; tail -25 "$OUT/qwen3.log" "$OUT/llama.log" ;;
+  backends)  # our figures per attention backend (no anchors: those come from the bench round)
+    run() { CUDA_VISIBLE_DEVICES=$1 timeout 280 hf-accel bench --workload w1,w2,w3 --shape qwen3-0.6b --anchors none \
+      --attention-backend "$2" --no-progress --json "$OUT/backend-$2.json" >"$OUT/backend-$2.log" 2>&1; }
+    (run 0 triton; run 0 torch) & (run 1 flashinfer; run 1 flash_attn) &
+    wait; for b in triton torch flashinfer flash_attn; do grep -E "hf_accel|guard" "$OUT/backend-$b.log"; done ;;
+esac
