@@ -988,9 +988,10 @@ def format_report(report: dict[str, Any]) -> str:
         if tune and tune.get("timings"):
             scores = ", ".join(f"{k} {v['score']:.3f}" if "score" in v else f"{k} failed"
                                for k, v in tune["timings"].items())
-            head.append(f"attention 'auto': timed {tune.get('candidates')} in {tune.get('seconds', 0):.1f} s, chose "
-                        f"{tune.get('chosen')} (static order: {tune.get('static_choice')}); score = 4 x decode ms + "
-                        f"prefill ms: {scores}")
+            how = ("remembered from an earlier start's timing of" if tune.get("cached")
+                   else f"timed in {tune.get('seconds', 0):.1f} s:")
+            head.append(f"attention 'auto': {how} {tune.get('candidates')}, chose {tune.get('chosen')} (static "
+                        f"order: {tune.get('static_choice')}); score = 4 x decode ms + prefill ms: {scores}")
         elif tune and tune.get("error"):
             head.append(f"attention 'auto': autotune failed ({tune['error']}), static choice {tune.get('chosen')}")
     bw = env.get("copy_bandwidth_bytes_per_s")
