@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -667,3 +668,9 @@ def test_full_mode_mixed_steps_gather_each_sequences_last_token():
     decode = runner._compiled_forward(runner.dummy_inputs([1, 1, 1]))
     assert fake.replayed[-1] == BatchKey(8, True)
     assert decode[:, 0].tolist() == [0.0, 1.0, 2.0]
+
+    one_each = runner.dummy_inputs([1, 1, 1])  # one token each, but the middle one is a mid-prompt chunk
+    one_each.logits_indices = np.array([0, 2], dtype=np.int64)
+    got = runner._compiled_forward(one_each)
+    assert fake.replayed[-1] == BatchKey(8, True)
+    assert got[:, 0].tolist() == [0.0, 2.0]

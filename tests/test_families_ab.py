@@ -81,6 +81,14 @@ def test_chunked_prefill_tiny_budget(family):
     ab(tiny_model(family), ids, mask, dict(max_num_batched_tokens=5, block_size=16))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_budget_smaller_than_running_batch(family):
+    """A token budget below the running batch leaves steps of one token per request where some tokens are prompt
+    chunks mid-prompt: only requests at the end of their prompt (or decoding) may sample."""
+    ids, mask = left_padded_batch([10, 10, 10, 10, 10, 10], seed=4)
+    ab(tiny_model(family), ids, mask, dict(max_num_batched_tokens=4, block_size=16))
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_preemption_tiny_cache(family):
     ids, mask = left_padded_batch([30, 25, 28, 22], seed=3)

@@ -69,7 +69,10 @@ class ModelRunner:
 
     # -- packing -----------------------------------------------------------------------------------------------
     def pack(self, step: ScheduledStep) -> StepInputs:
-        if step.total_tokens == len(step.requests):
+        # the decode fast path only when every request's token is its last one (so every request samples); a budget
+        # smaller than the batch can also schedule one-token prompt chunks from the middle of a prompt
+        if step.total_tokens == len(step.requests) and all(
+                r.num_computed_tokens + 1 == r.num_tokens for r in step.requests):
             return self._pack_decode(step)
         bs = self.block_size
         ids, pos, slots, qsl, seq_lens, tables, logits_idx, sampled = [], [], [], [0], [], [], [], []
@@ -304,8 +307,11 @@ class ModelRunner:
             meta = self.upload(inp, d.num_tokens, d.num_tokens)
             self.backend.prepare(meta)
             logits = self.full_graphs.replay(d.key)[0]  # one row per (padded) token
-            # uniform decode: token i is sequence i; mixed: the last token of each sampling sequence
-            return logits[:n] if d.uniform_decode else logits[self.logits_indices[:n]]
+            # every sequence samples one token each (a decode step): row i is sequence i; otherwise the rows of the
+            # sampling sequences' last tokens
+            if d.uniform_decode and n == len(inp.seq_lens):
+                return logits[:n]
+            return logits[self.logits_indices[:n]]
         if self.piecewise is None:
             return None
         tp = d.num_tokens if d.mode.value == "piecewise" else t
