@@ -113,9 +113,14 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
     original = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION_NAME)
-    # compiled forwards run q/k/v and gate/up as one GEMM each: give those weights one storage (no copy kept)
-    packed = pack_sibling_linears(model) if cfg.compile else None
+    packed: PackRecord | None = None
     try:
+        # compiled forwards run q/k/v and gate/up as one GEMM each: give those weights one storage (no copy kept);
+        # the storages they leave go back to the GPU before the KV cache is sized from free memory
+        if cfg.compile:
+            packed = pack_sibling_linears(model)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         patch_s = time.perf_counter() - t0
         engine = LLMEngine(model, cfg, backend_cls, spec)
     except BaseException:

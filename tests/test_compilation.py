@@ -674,3 +674,31 @@ def test_full_mode_mixed_steps_gather_each_sequences_last_token():
     got = runner._compiled_forward(one_each)
     assert fake.replayed[-1] == BatchKey(8, True)
     assert got[:, 0].tolist() == [0.0, 2.0]
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_linear_merge_never_crosses_an_in_place_write(mutate):
+    from hf_accel.compilation.linear_packing import merge_packed_linears
+
+    packed = torch.randn(12, 4)
+    wq, wk, wv = packed[:4], packed[4:8], packed[8:]  # consecutive rows of one storage, as packing leaves them
+    merged = []
+
+    def backend(gm, example_inputs):
+        merged.append(merge_packed_linears(gm, example_inputs))
+        return gm.forward
+
+    def fn(x, wq, wk, wv):
+        h = x * 1
+        q = torch.nn.functional.linear(h, wq)
+        if mutate:
+            h.mul_(2)  # k and v must see the doubled input
+        return q, torch.nn.functional.linear(h, wk), torch.nn.functional.linear(h, wv)
+
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend=backend, fullgraph=True)(x, wq, wk, wv)
+    want = fn(x, wq, wk, wv)
+    assert merged == [0 if mutate else 1]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

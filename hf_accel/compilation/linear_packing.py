@@ -14,13 +14,19 @@ vLLM merges them when it loads weights. We keep the user's modules untouched ins
    over the whole block (`as_strided` on the first weight: a view, no copy) followed by `narrow`s. Weights are
    graph inputs, so the pieces of every layer stay identical and are still compiled once.
 
-Anything that does not match exactly (a tied weight, different dtypes, an input computed separately for k and v)
-is left alone: the pass only ever rewrites what is provably the same matrix product.
+Anything that does not match exactly (a tied weight, different dtypes, an input computed separately for k and v,
+an in-place write between the linears) is left alone: the pass only rewrites what is provably the same product.
+
+The merged outputs are column slices of one result, so views taken of them downstream have other strides than the
+example values Dynamo recorded for the separate outputs. Pieces are compiled from the values that cross a cut, and
+those are the tensors handed to the attention op, which the attention function makes contiguous first; a compiled
+piece given other strides than it was compiled for fails its input check at warm-up, never silently.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +58,7 @@ def _packable(linears: list[torch.nn.Module], shared: set[int]) -> bool:
         if (w.dtype != w0.dtype or w.device != w0.device or w.shape[1] != w0.shape[1] or not w.is_contiguous()
                 or id(w) in shared or (b is None) != (first.bias is None)):
             return False
-        if b is not None and (b.dtype != w0.dtype or id(b) in shared):
+        if b is not None and (b.dtype != w0.dtype or b.device != w0.device or id(b) in shared):
             return False
     return True
 
@@ -76,15 +82,19 @@ def pack_sibling_linears(model: torch.nn.Module) -> PackRecord:
         counts[id(p)] += 1
     shared = {k for k, c in counts.items() if c > 1}  # tied weights keep their own storage
     record = PackRecord()
-    for module in model.modules():
-        for names in SIBLING_GROUPS:
-            linears = [getattr(module, n, None) for n in names]
-            if any(m is None for m in linears) or not _packable(linears, shared):
-                continue
-            _pack([m.weight for m in linears], record)
-            if linears[0].bias is not None:
-                _pack([m.bias for m in linears], record)
-            record.groups += 1
+    try:
+        for module in model.modules():
+            for names in SIBLING_GROUPS:
+                linears = [getattr(module, n, None) for n in names]
+                if any(m is None for m in linears) or not _packable(linears, shared):
+                    continue
+                _pack([m.weight for m in linears], record)
+                if linears[0].bias is not None:
+                    _pack([m.bias for m in linears], record)
+                record.groups += 1
+    except BaseException:  # e.g. out of memory for one group's packed copy: leave the model as it was
+        unpack_sibling_linears(record)
+        raise
     return record
 
 
@@ -188,9 +198,40 @@ def _fake_values(run: list[torch.fx.Node], rows: list[int], cols: int) -> list[A
         return None
 
 
+_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.setitem}
+
+
+def _may_mutate(node: torch.fx.Node) -> bool:
+    """Conservatively: could this node write into an existing tensor (an in-place op or a mutating custom op)?"""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op != "call_function":
+        return node.op == "call_module"  # an opaque module call: assume the worst
+    target = node.target
+    if target in _INPLACE_FUNCTIONS:
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(getattr(target, o)._schema.is_mutable for o in target.overloads())
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
 def _rewrite(graph: torch.fx.Graph, run: list[torch.fx.Node], real: dict) -> bool:
-    """linear(x, W_i, b_i) for the run -> y = linear(x, W_all, b_all); out_i = y.narrow(-1, off_i, n_i)."""
+    """linear(x, W_i, b_i) for the run -> y = linear(x, W_all, b_all); out_i = y.narrow(-1, off_i, n_i).
+
+    The merged product runs where the earliest of the run did, so nothing between the first and the last linear of
+    the run may write into a tensor (x or a view of it could change in between): such runs are left alone.
+    """
     order = {n: i for i, n in enumerate(graph.nodes)}
+    first, last = min(order[n] for n in run), max(order[n] for n in run)
+    members = set(run)
+    if any(_may_mutate(n) for n in graph.nodes if first < order[n] < last and n not in members):
+        return False
     earliest = min(run, key=lambda n: order[n])
     x, w0, b0 = run[0].args[0], run[0].args[1], _bias(run[0])
     rows = [real[n.args[1]].shape[0] for n in run]
