@@ -649,12 +649,14 @@ def test_full_mode_mixed_steps_gather_each_sequences_last_token():
     from hf_accel.compilation.dispatcher import BatchKey
     from hf_accel.engine.runner import ModelRunner
 
-    assert ModelRunner.full_capture_query_lens(BatchKey(8, True)) == [1] * 8
-    assert ModelRunner.full_capture_query_lens(BatchKey(8, False)) == [8]  # prefill-shaped: no decode-only path
-    assert ModelRunner.full_capture_query_lens(BatchKey(1, False)) == [1]
+    assert ModelRunner.full_capture_query_lens(BatchKey(8, True), 4096) == [1] * 8
+    assert ModelRunner.full_capture_query_lens(BatchKey(8, False), 4096) == [8]  # prefill-shaped: no decode path
+    assert ModelRunner.full_capture_query_lens(BatchKey(1, False), 4096) == [1]
+    assert ModelRunner.full_capture_query_lens(BatchKey(64, False), 24) == [24, 24, 16]  # within the context
 
     model = make_model("llama", num_layers=1)
     model.config._attn_implementation = "sdpa"
+    model.config.max_position_embeddings = 32  # a context shorter than the largest capture sizes
     accelerate_model(model, attention_backend="torch", enforce_eager=True, num_kv_blocks=32)
     assert engine_info(model)["cudagraph_mode"] == "none"
     runner = model._hf_accel_state.engine.runner
@@ -668,6 +670,12 @@ def test_full_mode_mixed_steps_gather_each_sequences_last_token():
     decode = runner._compiled_forward(runner.dummy_inputs([1, 1, 1]))
     assert fake.replayed[-1] == BatchKey(8, True)
     assert decode[:, 0].tolist() == [0.0, 1.0, 2.0]
+
+    # the capture step of a mixed graph larger than the context fits the persistent buffers (no width overflow)
+    b = 2 * runner.max_model_len + 3
+    lens = ModelRunner.full_capture_query_lens(BatchKey(b, False), runner.max_model_len)
+    assert lens == [32, 32, 3]
+    runner.upload(runner.dummy_inputs(lens), b, b)
 
     one_each = runner.dummy_inputs([1, 1, 1])  # one token each, but the middle one is a mid-prompt chunk
     one_each.logits_indices = np.array([0, 2], dtype=np.int64)

@@ -78,7 +78,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, self.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.backend, self.kv_caches, self.block_size, cfg.max_num_seqs,
-                                  self.max_num_tokens, self.max_blocks_per_seq)
+                                  self.max_num_tokens, self.max_blocks_per_seq, self.shape.max_model_len)
         self.sampler = Sampler()
         self.stats.timings["kv_cache_s"] = time.perf_counter() - t0
         self.compile_info: dict = {}

@@ -43,7 +43,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, max_num_seqs: int,
-                 max_num_tokens: int, max_blocks_per_seq: int) -> None:
+                 max_num_tokens: int, max_blocks_per_seq: int, max_model_len: int | None = None) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -51,6 +51,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_model_len = max_model_len or max_blocks_per_seq * block_size
         self.device = next(model.parameters()).device
         dev, i32, i64 = self.device, torch.int32, torch.int64
         self.input_ids = torch.zeros(max_num_tokens, dtype=i64, device=dev)
@@ -267,7 +268,8 @@ class ModelRunner:
 
             def prepare_full(key):
                 b = key.num_tokens
-                metas[key] = meta = self.upload(self.dummy_inputs(self.full_capture_query_lens(key)), b, b)
+                lens = self.full_capture_query_lens(key, self.max_model_len)
+                metas[key] = meta = self.upload(self.dummy_inputs(lens), b, b)
                 self.backend.prepare(meta)
 
             def run_full(key):
@@ -288,14 +290,18 @@ class ModelRunner:
         return info
 
     @staticmethod
-    def full_capture_query_lens(key) -> list[int]:
+    def full_capture_query_lens(key, max_model_len: int) -> list[int]:
         """The dummy step a full graph is captured on (its rows padded to key.num_tokens).
 
         A uniform-decode graph is captured on a decode step (backends may freeze a decode-only path into it); a
-        mixed graph on one prefill-shaped sequence, so the path it freezes serves any mix of queries.
+        mixed graph on prefill-shaped sequences (no longer than the model's context), so the path it freezes
+        serves any mix of queries.
         """
         b = key.num_tokens
-        return [1] * b if key.uniform_decode or b == 1 else [b]
+        if key.uniform_decode or b == 1:
+            return [1] * b
+        step = max(1, max_model_len)
+        return [min(step, b - i) for i in range(0, b, step)]
 
     def _compiled_forward(self, inp: StepInputs) -> torch.Tensor | None:
         """Dispatch FULL / PIECEWISE / NONE; None when nothing is compiled or captured (plain eager)."""
