@@ -25,7 +25,7 @@ from hf_accel.attention.backend import AttentionSpec
 from hf_accel.attention.op import ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward
 from hf_accel.attention.registry import auto_candidates, available_backends_for, select_backend
 from hf_accel.compilation.linear_packing import PackRecord, pack_sibling_linears, unpack_sibling_linears
-from hf_accel.config import AccelConfig
+from hf_accel.config import AccelConfig, CUDAGraphMode
 from hf_accel.engine.engine import LLMEngine, ModelShape
 from hf_accel.generation import EngineGenerator, stock_reason
 from hf_accel.patches import family_patch
@@ -159,11 +159,15 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
     if cfg.attention_backend != "auto" or device.type != "cuda" or not cfg.autotune_attention:
         return static, None
     candidates = auto_candidates(spec, device)
+    if cfg.block_size is not None:  # a block size the user fixed must suit the winner
+        candidates = [c for c in candidates if cfg.block_size in c.supported_block_sizes] or candidates
     if len(candidates) < 2:
         return static, None
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    # decode is timed as the engine will run it: replayed from a full CUDA graph only in modes that have them
+    decode_in_graph = CUDAGraphMode(cfg.cudagraph_mode or "none").has_full
     shape = {"num_decode_seqs": min(32, cfg.max_num_seqs), "num_layers": text.num_hidden_layers,
-             "block_size_hint": cfg.block_size or 16}
+             "block_size_hint": cfg.block_size, "decode_in_graph": decode_in_graph}
     cache_file = autotune_cache_file(cfg.compile_cache_dir, spec, device, candidates, **shape)
     cached = load_cached_choice(cache_file, candidates)
     if cached is not None:
@@ -172,12 +176,14 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
                            "candidates": [c.name for c in candidates], "timings": cached[1]}
     t0 = time.perf_counter()
     try:
-        best, timings = autotune_backends(candidates, spec, device, shape["block_size_hint"],
-                                          num_decode_seqs=shape["num_decode_seqs"], num_layers=shape["num_layers"])
+        best, timings = autotune_backends(candidates, spec, device, cfg.block_size,
+                                          num_decode_seqs=shape["num_decode_seqs"], num_layers=shape["num_layers"],
+                                          decode_in_graph=decode_in_graph)
     except Exception as exc:
         logger.warning("hf_accel: attention autotune failed (%s: %s); using the static choice %s",
                        type(exc).__name__, exc, static.name)
-        return static, {"chosen": static.name, "static_choice": static.name, "error": str(exc)}
+        return static, {"chosen": static.name, "static_choice": static.name, "error": str(exc),
+                        "seconds": time.perf_counter() - t0}
     seconds = time.perf_counter() - t0
     store_choice(cache_file, best, timings)
     summary = ", ".join(f"{name} " + (f"{t['score']:.3f}" if "score" in t else "failed") for name, t in timings.items())

@@ -662,8 +662,9 @@ def test_auto_on_cuda_keeps_the_autotuned_backend_and_remembers_it(monkeypatch, 
     from hf_accel.config import AccelConfig
 
     api, calls = _fake_choice(monkeypatch, None)
-    cfg = AccelConfig(max_num_seqs=8, compile_cache_dir=str(tmp_path))
+    cfg = AccelConfig(max_num_seqs=8, compile_cache_dir=str(tmp_path), cudagraph_mode="full_and_piecewise")
     cls, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)
+    assert calls["decode_in_graph"] is True  # decode timed the way full graphs run it
     assert cls.name == "triton"
     assert info["chosen"] == "triton" and info["static_choice"] == "flashinfer" and info["cached"] is False
     assert info["timings"]["triton"]["score"] == 1.0 and info["seconds"] >= 0
@@ -679,6 +680,17 @@ def test_auto_on_cuda_keeps_the_autotuned_backend_and_remembers_it(monkeypatch, 
     other = AccelConfig(max_num_seqs=16, compile_cache_dir=str(tmp_path))  # another shape: timed again
     api._choose_backend(_FakeModel(), other, SPEC, CUDA)
     assert calls["num_decode_seqs"] == 16
+
+    calls.clear()  # no full graphs: decode timed eagerly, and not the remembered graph-timed answer
+    eager = AccelConfig(max_num_seqs=8, compile_cache_dir=str(tmp_path), cudagraph_mode="piecewise")
+    api._choose_backend(_FakeModel(), eager, SPEC, CUDA)
+    assert calls["decode_in_graph"] is False
+
+    for f in (tmp_path / "autotune").glob("*.json"):  # a torn or foreign file is ignored, not fatal
+        f.write_text("[1, 2")
+    calls.clear()
+    cls, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)
+    assert calls and info["cached"] is False
 
     calls.clear()  # compile_cache_dir="" turns remembering off
     api._choose_backend(_FakeModel(), AccelConfig(max_num_seqs=8, compile_cache_dir=""), SPEC, CUDA)

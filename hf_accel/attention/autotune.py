@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -88,7 +89,9 @@ def _capture(fn, device: torch.device) -> torch.cuda.CUDAGraph | None:
         with torch.cuda.graph(graph):
             fn()
         return graph
-    except Exception:
+    except Exception as exc:
+        logger.info("attention autotune: cannot capture %s in a CUDA graph (%s); timing it eagerly",
+                    getattr(fn, "__qualname__", fn), exc)
         torch.cuda.synchronize(device)
         return None
 
@@ -137,9 +140,10 @@ def _time_shape(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetada
     return statistics.median(samples) + 1e3 * statistics.median(prepare_s)
 
 
-def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: torch.device, block_size_hint: int,
-                    decode_seqs: list[tuple[int, int]], prefill_seqs: list[tuple[int, int]], *, num_layers: int,
-                    budget_s: float) -> dict[str, float]:
+def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: torch.device,
+                    block_size_hint: int | None, decode_seqs: list[tuple[int, int]],
+                    prefill_seqs: list[tuple[int, int]], *, num_layers: int, budget_s: float,
+                    decode_in_graph: bool = True) -> dict[str, float]:
     block_size = block_size_hint if block_size_hint in cls.supported_block_sizes else cls.supported_block_sizes[0]
     generator = torch.Generator().manual_seed(0)
     decode_meta, decode_blocks = synthetic_step_metadata(decode_seqs, block_size, device, generator=generator)
@@ -153,7 +157,7 @@ def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: to
                   max_blocks_per_seq=max_blocks_per_seq)
     # decode steps replay as full CUDA graphs where the backend allows it; prefill attention runs eagerly between
     # piecewise graphs, so it is timed eagerly (its kernels dwarf the launch cost anyway)
-    graph_decode = backend.cudagraph_support != CUDAGraphSupport.NEVER
+    graph_decode = decode_in_graph and backend.cudagraph_support != CUDAGraphSupport.NEVER
     if graph_decode and hasattr(backend, "set_cudagraph_batch_sizes"):
         backend.set_cudagraph_batch_sizes([len(decode_seqs)])
     decode_ms = _time_shape(backend, spec, decode_meta, caches, num_layers=num_layers, budget_s=budget_s / 2,
@@ -164,14 +168,17 @@ def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: to
 
 
 def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionSpec, device: torch.device,
-                      block_size_hint: int, num_decode_seqs: int = 32, decode_context: int = 1024,
+                      block_size_hint: int | None, num_decode_seqs: int = 32, decode_context: int = 1024,
                       prefill_tokens: int = 2048, time_budget_s: float = 2.0, *, num_layers: int = 1,
                       decode_weight: float = DECODE_WEIGHT, prefill_seq_len: int = 1024,
+                      decode_in_graph: bool = True,
                       ) -> tuple[type[AttentionBackend], dict[str, dict[str, float | str]]]:
     """Time each candidate on a decode and a prefill step of this model's attention shape; return the fastest.
 
     Candidates come in preference order (registry.auto_candidates); off CUDA, or with one candidate, the first is
-    returned untimed. Each candidate runs at its own preferred block size unless it supports `block_size_hint`.
+    returned untimed. Each candidate runs at `block_size_hint` if it supports it, else at its own preferred block
+    size (the one the engine would give it). `decode_in_graph`: time decode as a CUDA-graph replay (the engine's
+    full graphs) or eagerly (graph modes without full graphs).
     Timings per backend name: {"decode_ms", "prefill_ms", "score"} (score = decode_weight * decode + prefill), or
     {"error": "..."} for a candidate that cannot run here or raised on its first call (it is dropped).
     `num_layers` forwards per prepare() weigh the per-step planning cost as a real model would.
@@ -197,7 +204,8 @@ def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionS
                 continue
             try:
                 result = _time_candidate(cls, spec, device, block_size_hint, decode_seqs, prefill_seqs,
-                                         num_layers=num_layers, budget_s=per_candidate_s)
+                                         num_layers=num_layers, budget_s=per_candidate_s,
+                                         decode_in_graph=decode_in_graph)
             except Exception as exc:  # a backend that cannot run this model is dropped, never fatal
                 logger.warning("attention autotune: %s failed: %s: %s", cls.name, type(exc).__name__, exc)
                 timings[cls.name] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -245,11 +253,13 @@ def autotune_cache_file(cache_dir: str | None, spec: AttentionSpec, device: torc
 def load_cached_choice(path: Path | None, candidates: list[type[AttentionBackend]],
                        ) -> tuple[type[AttentionBackend], dict[str, Any]] | None:
     """The remembered winner and its timings, if `path` holds one naming a current candidate."""
-    if path is None or not path.is_file():
+    if path is None:
         return None
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # missing, unreadable or torn: time again
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("timings", {}), dict):
         return None
     by_name = {c.name: c for c in candidates}
     chosen = by_name.get(record.get("chosen"))
@@ -261,6 +271,8 @@ def store_choice(path: Path | None, chosen: type[AttentionBackend], timings: dic
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"chosen": chosen.name, "timings": timings}, indent=1, default=str))
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"chosen": chosen.name, "timings": timings}, indent=1, default=str))
+        os.replace(tmp, path)  # readers never see half a file
     except OSError as exc:  # a read-only home is not a reason to fail accelerate_model
         logger.debug("attention autotune: cannot write %s: %s", path, exc)
