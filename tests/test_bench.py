@@ -241,42 +241,48 @@ def test_plot_from_a_report(tmp_path) -> None:
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize(("lead", "ok"), [(0.0, True), (0.2, True), (0.3, False)])
-def test_guard_accepts_only_near_ties(monkeypatch, lead: float, ok: bool) -> None:
+@pytest.mark.parametrize(("leads", "ok"), [((0.0, 0.0), True), ((0.2, 0.1), True), ((0.0, 0.3), False)])
+def test_guard_accepts_only_near_ties_at_every_step(monkeypatch, leads, ok) -> None:
     cases = [bench.GuardCase("b2", "generate", [[11, 12], [13, 14]], 4)]
     guard = bench.compare_guard(cases, {"b2": [[1, 2, 3, 4], [5, 6, 7, 8]]}, {"b2": [[1, 2, 9, 9], [5, 6, 7, 8]]})
     assert guard["passed"] is False
-    assert guard["cases"]["b2"]["divergences"] == [{"row": 0, "step": 2, "ours": 3, "ours_before": [1, 2]}]
+    assert guard["cases"]["b2"]["divergences"] == [{"row": 0, "step": 2, "ours": 3, "ours_row": [1, 2, 3, 4]}]
     seen = {}
 
     def fake_margins(model, case, divergences, device):
         seen["rows"] = [d["row"] for d in divergences]
-        return [(lead, 3.0)] * len(divergences)  # top logit 3.0: a bf16 ulp is 2**-6 there
+        # steps 2 and 3 of row 0; top logit 3.0, where a bf16 ulp is 2**-6 (16 ulps = 0.25)
+        return [[(2, leads[0], 3.0), (3, leads[1], 3.0)]]
 
     monkeypatch.setattr(bench, "reference_margins", fake_margins)
     bench.judge_near_ties(guard, cases, None, torch.device("cpu"), torch.bfloat16)
     assert seen["rows"] == [0]
     assert guard["passed"] is ok and guard["cases"]["b2"]["ok"] is ok
     assert guard["near_ties"] == (1 if ok else 0)
+    div = guard["cases"]["b2"]["divergences"][0]
+    assert div["worst_lead"] == max(leads) and div["worst_step"] == 2 + leads.index(max(leads))
 
 
 def test_tie_margin_scales_with_the_top_logit_and_dtype() -> None:
     assert bench.tie_margin_for(torch.bfloat16, 3.0) == 16 * 2.0**-6
-    assert bench.tie_margin_for(torch.bfloat16, -20.0) == 16 * 2.0**-3
+    assert bench.tie_margin_for(torch.bfloat16, -5.0) == 16 * 2.0**-5
+    assert bench.tie_margin_for(torch.bfloat16, 25.0) == bench.GUARD_TIE_CAP  # real checkpoints: capped
     assert bench.tie_margin_for(torch.float16, 3.0) == 16 * 2.0**-9
     assert bench.tie_margin_for(torch.float32, 3.0) < 1e-5  # CPU float32 runs stay strict
 
 
-def test_reference_margins_are_teacher_forced_on_our_prefix() -> None:
+def test_reference_margins_are_teacher_forced_on_our_tokens() -> None:
     model = bench.build_model("tiny", None, torch.float32, torch.device("cpu"))
     bench.disable_eos(model)
     prompts = bench.random_prompts([5, 9], seed=1, vocab_size=model.config.vocab_size)
-    case = bench.GuardCase("c", "generate", prompts, 6)
-    divs = [{"row": 1, "step": 3, "ours": 42, "ours_before": [11, 12, 13]},
-            {"row": 0, "step": 0, "ours": 7, "ours_before": []}]
-    margins = bench.reference_margins(model, case, divs, torch.device("cpu"))
-    for d, (lead, top) in zip(divs, margins, strict=True):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompts[d["row"]] + d["ours_before"]])).logits[0, -1].float()
-        assert top == pytest.approx(float(logits.max()), abs=1e-4)
-        assert lead == pytest.approx(float(logits.max() - logits[d["ours"]]), abs=1e-4)
+    case = bench.GuardCase("c", "generate", prompts, 4)
+    divs = [{"row": 1, "step": 1, "ours": 42, "ours_row": [11, 42, 13, 14]},
+            {"row": 0, "step": 0, "ours": 7, "ours_row": [7, 8, 9, 10]}]
+    per_row = bench.reference_margins(model, case, divs, torch.device("cpu"))
+    for d, steps in zip(divs, per_row, strict=True):
+        assert [s for s, _, _ in steps] == list(range(d["step"], 4))  # every step from the divergence on
+        for s, lead, top in steps:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompts[d["row"]] + d["ours_row"][:s]])).logits[0, -1].float()
+            assert top == pytest.approx(float(logits.max()), abs=1e-4)
+            assert lead == pytest.approx(float(logits.max() - logits[d["ours_row"][s]]), abs=1e-4)
