@@ -167,7 +167,12 @@ class EngineGenerator:
                 "lead to unexpected behavior. You should consider increasing `max_length` or, better yet, "
                 "setting `max_new_tokens`.")
         max_new = max_length - padded_len
-        min_new = max(gc.min_new_tokens or 0, (gc.min_length or 0) - padded_len, 0)
+        # as stock _prepare_generated_length: the resolved lengths go into the (per-call copy of the) config, where
+        # logits processors read them (ForcedEOS needs max_length), and min_new_tokens replaces min_length
+        gc.max_length = max_length
+        if gc.min_new_tokens is not None:
+            gc.min_length = gc.min_new_tokens + padded_len
+        min_new = max((gc.min_length or 0) - padded_len, 0)
         if pad is None and batch > 1:
             pad = 0
 

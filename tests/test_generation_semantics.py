@@ -462,6 +462,26 @@ def test_min_length_counts_prompt(stock_model, accel_model):
     assert_same_tokens(a, b)
 
 
+def test_min_new_tokens_wins_over_min_length(stock_model, accel_model):
+    """Stock replaces min_length by min_new_tokens + prompt length whenever min_new_tokens is set."""
+    ids, mask = left_pad(PROMPTS)
+    width = ids.shape[1]
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID)
+    eos, _ = pick_early_eos(stock_model.generate(**common), width)
+    a, b = ab(stock_model, accel_model, **common, eos_token_id=eos, min_new_tokens=1, min_length=width + 9)
+    assert_same_tokens(a, b)
+    assert min(finish_steps(a, width, {eos})) < 9  # min_length alone would have held the EOS back
+
+
+def test_forced_eos_token_with_max_new_tokens(stock_model, accel_model):
+    """ForcedEOS reads the resolved max_length (prompt + max_new_tokens) from the config."""
+    ids, mask = left_pad(PROMPTS)
+    a, b = ab(stock_model, accel_model, input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+              pad_token_id=PAD_ID, forced_eos_token_id=139)
+    assert_same_tokens(a, b)
+    assert (a[:, -1] == 139).all()
+
+
 def test_eos_without_pad_token_pads_with_first_eos(stock_model, accel_model):
     ids, mask = left_pad(PROMPTS)
     width = ids.shape[1]
