@@ -93,6 +93,11 @@ class BlockManager:
                 self.cached[h] = block
                 self.block_hash[block] = h
 
+    def forget_prefixes(self) -> None:
+        """Drop every cached prefix (the KV it holds no longer matches the model, e.g. after a weight update)."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+
     # -- allocation ---------------------------------------------------------------------------------------------
     def ensure(self, req: Request, num_tokens: int) -> bool:
         """Give `req` enough blocks for `num_tokens` tokens; False (and nothing changed) if there are too few."""

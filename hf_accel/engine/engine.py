@@ -98,6 +98,26 @@ class LLMEngine:
         logger.info("hf_accel: %s attention, %d KV blocks of %d tokens (%.2f GiB)", backend_cls.name, num_blocks,
                     self.block_size, self.kv_cache_bytes / 2**30)
         self._next_id = 0
+        self._weights = self._weights_fingerprint()
+
+    def _weights_fingerprint(self) -> list[tuple[int, int]]:
+        """Address and in-place version counter of every parameter (cheap: no data is read). Buffers are left out:
+        model code may swap them itself (dynamic / long RoPE frequency tables)."""
+        return [(p.data_ptr(), p._version) for p in self.model.parameters()]
+
+    def check_weights(self) -> None:
+        """Between calls: cached prefixes hold KV computed with the weights of the time. An in-place update (an
+        optimizer step, load_state_dict) drops them; tensors replaced outright would leave the compiled graphs and
+        CUDA graphs reading the old memory, so that is an error."""
+        now = self._weights_fingerprint()
+        if now == self._weights:
+            return
+        if [p for p, _ in now] != [p for p, _ in self._weights]:
+            raise RuntimeError("the model's parameters were replaced (not updated in place) after "
+                               "accelerate_model(); call accelerate_model(model) again")
+        self.block_manager.forget_prefixes()
+        self._weights = now
+        logger.info("hf_accel: the model's weights changed in place; the prefix cache was cleared")
 
     def _auto_num_blocks(self, dtype: torch.dtype) -> int:
         per_block = bytes_per_block(self.shape.num_layers, self.block_size, self.shape.num_kv_heads,
@@ -200,6 +220,8 @@ class LLMEngine:
     def run(self, requests: list[Request],
             on_tokens: Callable[[list[tuple[Request, int]]], None] | None = None) -> list[Request]:
         """Add the requests and step until every one has finished. On error nothing stays queued."""
+        if not self.scheduler.has_work:
+            self.check_weights()
         try:
             for req in requests:
                 self.add_request(req)
