@@ -77,6 +77,10 @@ def _check_supported(model: torch.nn.Module) -> None:
     reason = family_patch(model.config.model_type).unsupported_reason(model.config)
     if reason:
         raise NotImplementedError(f"{type(model).__name__}: {reason}")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        raise NotImplementedError(
+            f"{type(model).__name__} uses attention sinks (learned per-head logits in the softmax, as GPT-OSS does); "
+            "hf_accel's attention backends do not implement them, so it would give wrong answers")
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("the model has parameters on the meta device (offloaded); load it fully on one device")
     devices = {p.device for p in model.parameters()}

@@ -34,7 +34,7 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from hf_accel import AccelConfig, accelerate_model
+from hf_accel import AccelConfig, accelerate_model, restore
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -361,3 +361,34 @@ def test_encoder_decoder_rejected():
 def test_not_a_language_model():
     with pytest.raises(TypeError):
         accelerate_model(torch.nn.Linear(4, 4))
+
+
+def test_attention_sinks_rejected():
+    """GPT-OSS adds learned per-head sink logits to the softmax; dropping them silently would change answers."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss")
+    torch.manual_seed(0)
+    config = gpt_oss.GptOssConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+                                  num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    model = gpt_oss.GptOssForCausalLM(config).eval()
+    with pytest.raises(NotImplementedError, match="sinks"):
+        accelerate_model(model)
+    assert not hasattr(model, "_hf_accel_state") and "generate" not in vars(model)
+
+
+def test_attention_that_disagrees_with_the_config_is_a_clear_error():
+    """A config naming num_key_value_heads that the model's attention does not use (GPT-NeoX is multi-head)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           vocab_size=256, max_position_embeddings=512)
+    config.num_key_value_heads = 2
+    model = GPTNeoXForCausalLM(config).eval()
+    accelerate_model(model, attention_backend="torch")
+    try:
+        with pytest.raises(ValueError, match="key/value heads"):
+            model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False)
+        assert_engine_idle(model)
+    finally:
+        restore(model)

@@ -22,6 +22,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, outpu
     ctx = get_forward_context()
     meta = ctx.metadata
     k_cache, v_cache = ctx.kv_caches[layer_idx]
+    if key.shape[1] != k_cache.shape[2]:
+        raise ValueError(f"hf_accel: layer {layer_idx} attends with {key.shape[1]} key/value heads but the KV cache "
+                         f"was sized for {k_cache.shape[2]} (the config's num_key_value_heads); this model's "
+                         "attention does not match its config, so hf_accel cannot run it")
     # all rows, padded ones included: their slot is -1 (skipped), and no token count is frozen into a CUDA graph
     ctx.backend.write_kv(key, value, k_cache, v_cache, meta)
     ctx.backend.forward(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap)
@@ -39,8 +43,10 @@ def hf_accel_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     """transformers' attention-function signature: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]`.
 
     Returns `[1, T, H, D]` as the stock functions do. The mask is ignored: causality, sequence boundaries and
-    windows come from the step metadata.
+    windows come from the step metadata. Attention sinks (`s_aux`) are refused, never silently dropped.
     """
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("hf_accel attention does not implement attention sinks (s_aux)")
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
