@@ -208,6 +208,9 @@ def restore(model):
     model.set_attn_implementation(state.original_attn_implementation)
     if state.packed_linears is not None:
         unpack_sibling_linears(state.packed_linears)
+    cache = getattr(state.engine.runner, "compile_cache", None)
+    if cache is not None:  # the user's own torch.compile calls must not write into our per-model cache
+        cache.restore_env()
     delattr(model, _STATE)
     state.engine.kv_caches.clear()
     if torch.cuda.is_available():
@@ -242,12 +245,15 @@ def engine_info(model) -> dict[str, Any]:
 
 @contextmanager
 def _stock_attention(model):
+    """The stock attention implementation for the duration of a stock-path call. Re-entrant: a stock generate() may
+    call generate() again (an assistant that is the model itself), and only the outermost exit switches back."""
     state: AccelState = getattr(model, _STATE)
+    previous = model.config._attn_implementation
     model.set_attn_implementation(state.original_attn_implementation)
     try:
         yield
     finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION_NAME)
+        model.set_attn_implementation(previous)
 
 
 def _warn_stock(state: AccelState, reason: str) -> None:

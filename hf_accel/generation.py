@@ -72,6 +72,20 @@ def stock_reason(generation_config: GenerationConfig, model_kwargs: dict[str, An
         return "classifier-free guidance"
     if extra.get("synced_gpus"):
         return "synced_gpus"
+    if getattr(gc, "dola_layers", None) is not None:
+        return "DoLa decoding"
+    if getattr(gc, "force_words_ids", None) is not None or getattr(gc, "constraints", None):
+        return "constrained generation (force_words_ids / constraints)"
+    if getattr(gc, "token_healing", False):
+        return "token healing"
+    if gc.cache_implementation == "paged":
+        return "cache_implementation='paged' (transformers' own continuous batching)"
+    try:  # any mode transformers itself would not run as plain greedy search or sampling
+        mode = gc.get_generation_mode()
+    except Exception:  # let stock generate() raise its own error for an invalid combination
+        return "a generation mode stock transformers must validate"
+    if getattr(mode, "name", str(mode)).upper() not in ("GREEDY_SEARCH", "SAMPLE"):
+        return f"generation mode {getattr(mode, 'name', mode)}"
     for key in model_kwargs:
         if key not in _ENGINE_MODEL_KWARGS and model_kwargs[key] is not None:
             return f"model input {key!r}"
@@ -202,7 +216,7 @@ class EngineGenerator:
             criteria.append(StopStringCriteria(stop_strings=gc.stop_strings, tokenizer=tokenizer))
         deadline = time.monotonic() + gc.max_time if gc.max_time is not None else None
 
-        n_ret = gc.num_return_sequences or 1
+        n_ret = max(1, gc.num_return_sequences or 1)
         base_seed = int(torch.randint(0, 2**62, (1,)).item())  # from the global RNG: torch.manual_seed reproduces
         rows_cpu = input_ids.cpu()
         mask_cpu = attention_mask.cpu().bool()
@@ -242,7 +256,7 @@ class EngineGenerator:
 
         feeder = None
         if streamer is not None:
-            streamer.put(input_ids.cpu())
+            streamer.put(input_ids.repeat_interleave(n_ret, dim=0).cpu())  # as stock: one row per sequence
             feeder = _StreamFeeder(streamer, requests, pad if pad is not None else 0)
         self.engine.run(requests, on_tokens=feeder)
         if feeder is not None:
@@ -271,7 +285,7 @@ class EngineGenerator:
         if not inputs:
             return {}
         gc = generation_config if generation_config is not None else self.model.generation_config
-        n_ret = gc.num_return_sequences or 1
+        n_ret = max(1, gc.num_return_sequences or 1)
         max_new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
         if max_new is None:
             max_new = gc.max_length or 20
@@ -288,8 +302,9 @@ class EngineGenerator:
             if len(prompt) + max_new > max_pos:
                 raise ValueError(f"input {i}: prompt of {len(prompt)} tokens + {max_new} new tokens exceeds the "
                                  f"model's max_position_embeddings ({max_pos})")
-            for _ in range(n_ret):
-                ids.append(f"req_{len(ids)}")
+            # stock naming: input i is "req_i"; its extra copies (num_return_sequences) "req_i__child#k", listed first
+            for k in range(n_ret):
+                ids.append(f"req_{i}__child#{k}" if k < n_ret - 1 else f"req_{i}")
                 requests.append(Request(
                     request_id=self.engine.new_request_id(), prompt_token_ids=prompt, max_new_tokens=max_new,
                     sampling=SamplingParams(

@@ -710,3 +710,16 @@ def test_linear_merge_never_crosses_an_in_place_write(mutate):
     assert merged == [0 if mutate else 1]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_restore_puts_the_inductor_cache_dir_back(tmp_path, monkeypatch):
+    from hf_accel import accelerate_model, restore
+    from hf_accel.config import AccelConfig
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "users_own"))
+    model = make_model("llama", num_layers=1)
+    model.config._attn_implementation = "sdpa"
+    accelerate_model(model, compile=True, num_kv_blocks=32, config=AccelConfig(compile_cache_dir=str(tmp_path)))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))  # ours while accelerated
+    restore(model)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "users_own")

@@ -755,3 +755,65 @@ def test_prefix_cache_hit_equals_stock(stock_model, accel_model):
     expected = stock_model.generate(**kw)
     assert_same_tokens(expected, accel_generate(accel_model, **kw))
     assert_same_tokens(expected, accel_generate(accel_model, **kw))
+
+
+# -- found by A/B hunting against stock ----------------------------------------------------------------------------
+def test_streamer_prompt_rows_with_num_return_sequences(stock_model, accel_model):
+    ids, mask = left_pad(PROMPTS[:2])
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True, num_return_sequences=2,
+                  pad_token_id=PAD_ID)
+    s_stock, s_ours = RecordingStreamer(), RecordingStreamer()
+    stock_model.generate(**common, streamer=s_stock)
+    accel_generate(accel_model, **common, streamer=s_ours)
+    assert s_ours.puts[0].shape == s_stock.puts[0].shape == (4, ids.shape[1])
+    assert torch.equal(s_ours.puts[0], s_stock.puts[0])
+
+
+def test_generate_batch_names_forked_requests_like_stock(stock_model, accel_model):
+    gc = GenerationConfig(max_new_tokens=4, do_sample=True, num_return_sequences=2, eos_token_id=EOS_ID,
+                          pad_token_id=PAD_ID)
+    prompts = [list(p) for p in PROMPTS]
+    stock = stock_model.generate_batch(prompts, generation_config=gc)
+    ours = accel_model.generate_batch(prompts, generation_config=gc)
+    assert set(ours) == set(stock)
+    for key, out in ours.items():
+        assert out.prompt_ids == stock[key].prompt_ids  # every name maps to the same input as in stock
+    assert_engine_idle(accel_model)
+
+
+def test_negative_num_return_sequences_returns_one_like_stock(stock_model, accel_model):
+    ids = torch.tensor([PROMPTS[0]])
+    a, b = ab(stock_model, accel_model, input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD_ID,
+              num_return_sequences=-1)
+    assert_same_tokens(a, b)
+
+
+@pytest.mark.parametrize("kwargs", [dict(dola_layers="high"), dict(force_words_ids=[[9]])])
+def test_other_decoding_modes_take_the_stock_path(stock_model, accel_model, kwargs):
+    """DoLa and constrained generation are not greedy search: never silently run them as greedy."""
+    ids = torch.tensor([PROMPTS[0]])
+    common = dict(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD_ID, **kwargs)
+    try:
+        want = stock_model.generate(**common)
+    except Exception as exc:  # transformers may require remote code for these now: ours must raise the same
+        with pytest.raises(type(exc)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            accel_model.generate(**common)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = accel_model.generate(**common)
+        assert_same_tokens(want, got)
+    assert accel_model.config._attn_implementation == ATTN_IMPLEMENTATION_NAME
+
+
+def test_stock_path_inside_stock_path(stock_model, accel_model):
+    """Assisted decoding with the model as its own assistant: the inner stock call must not switch attention back."""
+    ids = torch.tensor([PROMPTS[0]])
+    common = dict(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=PAD_ID)
+    want = stock_model.generate(**common)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = accel_model.generate(**common, assistant_model=accel_model)
+    assert_same_tokens(want, got)
+    assert accel_model.config._attn_implementation == ATTN_IMPLEMENTATION_NAME

@@ -66,6 +66,7 @@ class ModelRunner:
         self.dispatcher = None
         self.piecewise = None
         self.full_graphs = None
+        self.compile_cache = None  # CompileCacheInfo: restore() puts TORCHINDUCTOR_CACHE_DIR back through it
         self.decode_logits_indices = torch.arange(max_num_tokens, dtype=i64, device=dev)  # FULL graphs read this
 
     # -- packing -----------------------------------------------------------------------------------------------
@@ -222,8 +223,8 @@ class ModelRunner:
         before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
         if compile:
             t0 = time.perf_counter()
-            cache = setup_compile_cache(cache_dir, model_config, dtype, sizes,
-                                        extra={"device": str(self.device), "backend": self.backend.name})
+            cache = self.compile_cache = setup_compile_cache(
+                cache_dir, model_config, dtype, sizes, extra={"device": str(self.device), "backend": self.backend.name})
             info["compile_cache"] = {"dir": str(cache.path) if cache.path else None, "warm": cache.warm}
             self.piecewise = compile_piecewise(self.forward_2d, capture_sizes=self.dispatcher.piecewise_sizes,
                                                use_cudagraph=on_cuda and bool(self.dispatcher.piecewise_sizes),
