@@ -98,12 +98,11 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     """Patch `model` in place so generate(), generate_batch() and pipelines run on the hf_accel engine.
 
     Keyword arguments override the fields of `config`. Returns the same model object; `restore(model)` undoes it.
-    Calling it again on an accelerated model first restores it, then applies the new options.
+    Calling it again on an accelerated model first restores it, then applies the new options; invalid options raise
+    before that, leaving the current acceleration in place.
     """
     t0 = time.perf_counter()
     _check_supported(model)
-    if hasattr(model, _STATE):
-        restore(model)
     # keyword arguments the caller actually passed win over `config`
     sig = inspect.signature(accelerate_model)
     passed = {k: v for k, v in locals().items() if k in sig.parameters and k not in ("model", "config", "t0", "sig")
@@ -112,6 +111,9 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     device = _model_device(model)
     cfg = cfg.resolve_for(device)
     spec = _attention_spec(model)
+    select_backend(cfg.attention_backend, spec, device)  # bad options raise here, before anything is undone
+    if hasattr(model, _STATE):
+        restore(model)
     backend_cls, autotune_info = _choose_backend(model, cfg, spec, device)
 
     AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)

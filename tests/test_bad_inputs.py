@@ -296,6 +296,10 @@ def test_failed_reaccelerate_keeps_a_working_model(stock_model, expected):
     m = accelerate_model(fresh_copy(stock_model))
     with pytest.raises(ValueError):
         accelerate_model(m, block_size=3)
+    assert hasattr(m, "_hf_accel_state")  # invalid options are caught before the current engine is undone
+    with pytest.raises(ValueError):
+        accelerate_model(m, attention_backend="flashinfer")  # not runnable on CPU
+    assert hasattr(m, "_hf_accel_state")
     out = m.generate(**_batch(), **GEN)
     assert torch.equal(out, expected)
 
