@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport
-from hf_accel.attention.metadata import StepMetadata
+from hf_accel.attention.metadata import StepMetadata, cumsum0
 from hf_accel.attention.registry import cuda_capability
 
 
@@ -124,19 +123,6 @@ def _default_capability() -> tuple[int, int] | None:
     return cuda_capability(torch.device("cuda"))
 
 
-def _host_lens(meta: StepMetadata) -> tuple[list[int], list[int]]:
-    """Per-sequence query and KV lengths on the host: the metadata's host copies, or one sync when absent."""
-    n = meta.num_seqs
-    if len(meta.query_lens_cpu) >= n and len(meta.seq_lens_cpu) >= n:
-        return list(meta.query_lens_cpu[:n]), list(meta.seq_lens_cpu[:n])
-    starts = meta.query_start_loc[: n + 1].tolist()
-    return [b - a for a, b in itertools.pairwise(starts)], meta.seq_lens[:n].tolist()
-
-
-def _cumsum0(values: list[int]) -> list[int]:
-    return [0, *itertools.accumulate(values)]
-
-
 class _VariantAwareMeta(type):
     """Makes `FlashAttnBackend.supported_block_sizes` follow the detected variant, looked up on first access."""
 
@@ -223,7 +209,7 @@ class FlashAttnBackend(AttentionBackend, metaclass=_VariantAwareMeta):
 
     def prepare(self, meta: StepMetadata) -> None:
         n = meta.num_seqs
-        query_lens, seq_lens = _host_lens(meta)
+        query_lens, seq_lens = meta.host_lens()
         decode = meta.max_query_len == 1
         rows = max(n, int(meta.seq_lens.shape[0])) if decode else n  # graph-padded rows have seq_len 0
         if rows > self._capacity:
@@ -236,8 +222,8 @@ class FlashAttnBackend(AttentionBackend, metaclass=_VariantAwareMeta):
 
         # Graph-padded rows (seq_len 0) read one token of the null block 0, like any real sequence.
         used = [max(s, 1) for s in seq_lens] + [1] * pad
-        cu_q = _cumsum0(query_lens + [1] * pad)
-        cu_k = _cumsum0(used)
+        cu_q = cumsum0(query_lens + [1] * pad)
+        cu_k = cumsum0(used)
         host = torch.zeros(3 * cap + 2, dtype=torch.int32)
         host[: rows + 1] = torch.tensor(cu_q, dtype=torch.int32)
         host[cap + 1 : cap + 2 + rows] = torch.tensor(cu_k, dtype=torch.int32)

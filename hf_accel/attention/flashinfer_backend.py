@@ -28,7 +28,6 @@ step re-plans the one it uses, so they can share it.
 from __future__ import annotations
 
 import importlib
-import itertools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 
 from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport
-from hf_accel.attention.metadata import StepMetadata
+from hf_accel.attention.metadata import StepMetadata, cumsum0
 from hf_accel.attention.registry import cuda_capability
 
 MIN_VERSION = (0, 6, 12)
@@ -65,19 +64,6 @@ def import_flashinfer() -> tuple[Any | None, str | None]:
         wanted = ".".join(map(str, MIN_VERSION))
         return None, f"flashinfer {version} is too old (need >= {wanted})"
     return module, None
-
-
-def host_lens(meta: StepMetadata) -> tuple[list[int], list[int]]:
-    """Per-sequence query and KV lengths on the host: the metadata's host copies, or one sync when absent."""
-    n = meta.num_seqs
-    if len(meta.query_lens_cpu) >= n and len(meta.seq_lens_cpu) >= n:
-        return list(meta.query_lens_cpu[:n]), list(meta.seq_lens_cpu[:n])
-    starts = meta.query_start_loc[: n + 1].tolist()
-    return [b - a for a, b in itertools.pairwise(starts)], meta.seq_lens[:n].tolist()
-
-
-def _cumsum0(values: list[int]) -> list[int]:
-    return [0, *itertools.accumulate(values)]
 
 
 @dataclass
@@ -238,7 +224,7 @@ class FlashInferBackend(AttentionBackend):
     def prepare(self, meta: StepMetadata) -> None:
         n = meta.num_seqs
         page_size = meta.block_size
-        query_lens, seq_lens = host_lens(meta)
+        query_lens, seq_lens = meta.host_lens()
         decode = meta.max_query_len == 1
         padded_rows = int(meta.seq_lens.shape[0])  # the runner pads graph batches' rows with seq_len 0
         graph_size = padded_rows if decode and padded_rows >= n and padded_rows in self._graph_sizes else None
@@ -259,8 +245,8 @@ class FlashInferBackend(AttentionBackend):
             graph_size=graph_size,
             num_tokens=meta.num_tokens,
             page_size=page_size,
-            qo_indptr=None if decode else torch.tensor(_cumsum0(query_lens), dtype=torch.int32),
-            kv_indptr=torch.tensor(_cumsum0(pages + [1] * pad), dtype=torch.int32),
+            qo_indptr=None if decode else torch.tensor(cumsum0(query_lens), dtype=torch.int32),
+            kv_indptr=torch.tensor(cumsum0(pages + [1] * pad), dtype=torch.int32),
             kv_indices=kv_indices,
             kv_last_page_len=torch.tensor(last_page_len + [1] * pad, dtype=torch.int32),
         )

@@ -20,6 +20,7 @@ Conventions (all backends):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,14 @@ class StepMetadata:
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
 
+    def host_lens(self) -> tuple[list[int], list[int]]:
+        """Per-sequence query and KV lengths on the host: the host copies, or one sync when they are absent."""
+        n = self.num_seqs
+        if len(self.query_lens_cpu) >= n and len(self.seq_lens_cpu) >= n:
+            return list(self.query_lens_cpu[:n]), list(self.seq_lens_cpu[:n])
+        starts = self.query_start_loc[: n + 1].tolist()
+        return [b - a for a, b in itertools.pairwise(starts)], self.seq_lens[:n].tolist()
+
     @property
     def is_uniform_decode(self) -> bool:
         return self.max_query_len == 1
@@ -48,3 +57,8 @@ class StepMetadata:
     @property
     def num_blocks_per_seq(self) -> int:
         return self.block_tables.shape[1]
+
+
+def cumsum0(values: list[int]) -> list[int]:
+    """[0, v0, v0+v1, ...]: an indptr array built on the host."""
+    return [0, *itertools.accumulate(values)]
