@@ -111,10 +111,10 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     device = _model_device(model)
     cfg = cfg.resolve_for(device)
     spec = _attention_spec(model)
-    select_backend(cfg.attention_backend, spec, device)  # bad options raise here, before anything is undone
+    static = select_backend(cfg.attention_backend, spec, device)  # bad options raise here, before anything is undone
     if hasattr(model, _STATE):
         restore(model)
-    backend_cls, autotune_info = _choose_backend(model, cfg, spec, device)
+    backend_cls, autotune_info = _choose_backend(model, cfg, spec, device, static)
 
     AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
     original = model.config._attn_implementation
@@ -153,7 +153,7 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
 
 
 def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
-                    device: torch.device) -> tuple[type, dict[str, Any] | None]:
+                    device: torch.device, static: type | None = None) -> tuple[type, dict[str, Any] | None]:
     """The backend class, and for "auto" on CUDA with several candidates the autotune record (chosen, timings).
 
     The static rule (registry.select_backend) names the candidates in preference order; autotuning times them on
@@ -161,7 +161,7 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
     GPU, shape, candidates, library versions and our sources), so a second start skips the timing. If autotuning
     itself fails, the static choice stands (logged).
     """
-    static = select_backend(cfg.attention_backend, spec, device)
+    static = static or select_backend(cfg.attention_backend, spec, device)
     if cfg.attention_backend != "auto" or device.type != "cuda" or not cfg.autotune_attention:
         return static, None
     candidates = auto_candidates(spec, device)
