@@ -289,7 +289,9 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
     gc, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
     reason = stock_reason(gc, model_kwargs, dict(assistant_model=assistant_model, synced_gpus=synced_gpus,
                                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-                                                 negative_prompt_ids=negative_prompt_ids))
+                                                 negative_prompt_ids=negative_prompt_ids,
+                                                 stopping_criteria=stopping_criteria,
+                                                 num_rows=_num_rows(input_ids)))
     if reason is None and input_ids is None:
         reason = "generation without input_ids (inputs_embeds or an unconditional start)"
     if reason is not None:
@@ -298,6 +300,10 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
             return type(self).generate(self, **stock_args)
     return state.generator.generate(input_ids, gc, model_kwargs, logits_processor, stopping_criteria, streamer,
                                     tokenizer=tokenizer, has_default_max_length=has_default_max_length)
+
+
+def _num_rows(input_ids) -> int:
+    return int(input_ids.shape[0]) if isinstance(input_ids, torch.Tensor) and input_ids.dim() > 1 else 1
 
 
 def _accelerated_generate_batch(self, inputs: list[list[int]], generation_config=None,

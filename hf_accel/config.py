@@ -51,6 +51,10 @@ class AccelConfig:
     # attention_backend="auto" on CUDA: time the valid backends on this model's shapes at warm-up (about a second
     # each, plus any first-use JIT of a library) and keep the fastest; False takes the static preference order
     autotune_attention: bool = True
+    # launch each step before the host has read the previous step's tokens (they feed it from device memory), so
+    # scheduling and input packing overlap the GPU; requests whose sampling needs the tokens on the host
+    # (repetition penalty, logits processors, output_scores/logits) run synchronously whatever this says
+    async_scheduling: bool = True
     extra: dict = field(default_factory=dict)
 
     def updated(self, **overrides) -> AccelConfig:

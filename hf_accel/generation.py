@@ -9,8 +9,8 @@ filling after EOS, min lengths, stop strings, user stopping criteria and logits 
 Decisions where stock behaviour cannot be reproduced row by row (written down in the README too):
 - after a row finishes, stock keeps computing it; we do not, so its `scores`/`logits` entries for later steps are
   -inf everywhere except 0 at `pad_token_id` (the token the row is filled with);
-- a row ended by a stop string or a stopping criterion is filled with `pad_token_id` even when no EOS is set
-  (stock then keeps generating that row until every row has stopped);
+- stop strings or stopping criteria on a batch with no EOS token take the stock path (stock keeps generating a
+  stopped row, unpadded, until every row has stopped);
 - user `logits_processor` and `stopping_criteria` are called per row with that row's token ids as stock would hold
   them (left padding included), shape `[1, L]`; stopping criteria get `scores=None`.
 """
@@ -80,6 +80,11 @@ def stock_reason(generation_config: GenerationConfig, model_kwargs: dict[str, An
         return "token healing"
     if gc.cache_implementation == "paged":
         return "cache_implementation='paged' (transformers' own continuous batching)"
+    rows = extra.get("num_rows", 1) * max(1, gc.num_return_sequences or 1)
+    if rows > 1 and not _eos_ids(gc) and (gc.stop_strings is not None or extra.get("stopping_criteria")):
+        # without an EOS token stock generate() does not pad a row that met its stop criterion: the row keeps
+        # generating real tokens until every row has stopped
+        return "stop strings / stopping criteria with no EOS token in a batch"
     try:  # any mode transformers itself would not run as plain greedy search or sampling
         mode = gc.get_generation_mode()
     except Exception:  # let stock generate() raise its own error for an invalid combination

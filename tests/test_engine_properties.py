@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_accel.engine.block_manager import BlockManager, hash_block
-from hf_accel.engine.request import Request, RequestStatus
+from hf_accel.engine.request import PENDING_TOKEN, Request, RequestStatus
 from hf_accel.engine.scheduler import Scheduler
 
 ALPHABET = (3, 4, 5, 6)  # few distinct tokens: unrelated requests often share identical full blocks
@@ -44,7 +44,7 @@ class KVModel:
             assert bm.ref_counts[block] == 1, (
                 f"request {req.request_id} writes position {p} into block {block} shared by "
                 f"{bm.ref_counts[block]} requests")
-            self.slots[block][p % bs] = req.token_at(p)
+            self.slots[block][p % bs] = true_token(req, p)
 
     def check_computed(self, req: Request) -> None:
         """Every position the request counts as computed holds that request's token."""
@@ -52,8 +52,8 @@ class KVModel:
         for p in range(req.num_computed_tokens):
             block = req.block_ids[p // bs]
             got = self.slots[block][p % bs]
-            assert got == req.token_at(p), (
-                f"request {req.request_id} position {p} (block {block}) holds {got}, expected {req.token_at(p)}")
+            assert got == true_token(req, p), (
+                f"request {req.request_id} position {p} (block {block}) holds {got}, expected {true_token(req, p)}")
 
 
 def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Request]) -> None:
@@ -89,25 +89,48 @@ def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Request]) ->
     assert not ({id(r) for r in sched.waiting} & set(running_ids)), "a request is both waiting and running"
 
 
-def drive(bm: BlockManager, sched: Scheduler, arrivals: list[tuple[int, Request]], max_steps: int = 5000):
-    """Run the scheduler loop to completion with the fake runner; returns the per-step (tokens, seqs) trace."""
+def true_token(req: Request, p: int) -> int:
+    """The token at position p, also while the host has not read it back (a pending token)."""
+    tok = req.token_at(p)
+    return tok if tok != PENDING_TOKEN else expected_token(req, p - req.num_prompt_tokens)
+
+
+def read_back(bm: BlockManager, sched: Scheduler, launched: list[tuple[Request, int]]) -> None:
+    """What LLMEngine._read_back() does with a launched step's tokens."""
+    for req, tok in launched:
+        req.num_pending_tokens -= 1
+        if req.is_finished:
+            continue  # computed once more after its last token: dropped
+        req.output_token_ids.append(tok)
+        bm.commit(req)
+        if len(req.output_token_ids) >= req.max_new_tokens:
+            sched.finish(req, "length")
+
+
+def drive(bm: BlockManager, sched: Scheduler, arrivals: list[tuple[int, Request]], max_steps: int = 5000,
+          lag: bool = False):
+    """Run the scheduler loop to completion with the fake runner; returns the per-step (tokens, seqs) trace.
+
+    `lag=True` plays asynchronous scheduling: a step is planned and launched before the previous step's tokens
+    are read back (they are pending, fed from the device), as LLMEngine does."""
     kv = KVModel(bm.num_blocks, bm.block_size)
     pending = sorted(arrivals, key=lambda a: a[0])
     live: list[Request] = []
     step_no = 0
     preemptions = 0
-    while pending or sched.has_work:
+    inflight: list[tuple[Request, int]] | None = None
+    while pending or sched.has_work or inflight is not None:
         assert step_no < max_steps, "the scheduler does not converge"
         while pending and pending[0][0] <= step_no:
             req = pending.pop(0)[1]
             sched.add(req)
             live.append(req)
         step_no += 1
-        if not sched.has_work:
+        if not sched.has_work and inflight is None:
             continue
         step = sched.schedule()
         preemptions += len(step.preempted)
-        assert step.requests, "scheduler made no progress although every request fits the pool"
+        assert step.requests or inflight is not None, "scheduler made no progress although every request fits"
         assert len(step.requests) == len(step.num_tokens)
         assert len({id(r) for r in step.requests}) == len(step.requests), "a request scheduled twice in one step"
         assert step.total_tokens <= sched.max_num_batched_tokens
@@ -120,19 +143,26 @@ def drive(bm: BlockManager, sched: Scheduler, arrivals: list[tuple[int, Request]
         for req, n in zip(step.requests, step.num_tokens, strict=True):
             assert req.status == RequestStatus.RUNNING and req in sched.running
             assert n >= 1 and req.num_computed_tokens + n <= req.num_tokens
+            assert req.num_generated <= req.max_new_tokens, "a request computed past its last token"
             assert len(req.block_ids) * bm.block_size >= req.num_computed_tokens + n, "too few blocks for the step"
             kv.check_computed(req)  # prefix-cache hits and kept blocks hold this request's tokens
-        # the fake forward: write K/V, then what LLMEngine.step() does
+        # the fake forward: write K/V, then what LLMEngine._launch() does
         sampled = [r for r, n in zip(step.requests, step.num_tokens, strict=True)
                    if r.num_computed_tokens + n == r.num_tokens]
         for req, n in zip(step.requests, step.num_tokens, strict=True):
             kv.write(bm, req, req.num_computed_tokens, n)
             req.num_computed_tokens += n
             bm.commit(req)
+        launched = []
         for req in sampled:
-            req.output_token_ids.append(expected_token(req, len(req.output_token_ids)))
-            if len(req.output_token_ids) >= req.max_new_tokens:
-                sched.finish(req, "length")
+            launched.append((req, expected_token(req, req.num_generated)))
+            req.num_pending_tokens += 1
+        if lag:
+            if inflight is not None:
+                read_back(bm, sched, inflight)
+            inflight = launched if step.requests else None
+        else:
+            read_back(bm, sched, launched)
         check_invariants(bm, sched, [r for r in live if not r.is_finished])
     return live, preemptions
 
@@ -166,11 +196,11 @@ def _requests(specs) -> list[tuple[int, Request]]:
     return out
 
 
-def check_workload(w) -> None:
+def check_workload(w, lag: bool = False) -> None:
     bm = BlockManager(w["num_blocks"], w["block_size"], enable_prefix_caching=w["prefix_caching"])
     sched = Scheduler(bm, w["max_num_seqs"], w["max_num_batched_tokens"])
     arrivals = _requests(w["specs"])
-    live, _ = drive(bm, sched, arrivals)
+    live, _ = drive(bm, sched, arrivals, lag=lag)
     assert len(live) == len(arrivals)
     for req in live:
         assert req.is_finished and req.finish_reason == "length"
@@ -186,6 +216,13 @@ def check_workload(w) -> None:
 @given(workloads())
 def test_scheduler_loop_properties(w):
     check_workload(w)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_scheduler_loop_properties_async(w):
+    """The same properties when each step is planned before the previous step's tokens are read back."""
+    check_workload(w, lag=True)
 
 
 @st.composite
@@ -206,33 +243,34 @@ def shared_prefix_waves(draw):
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(shared_prefix_waves())
-def test_prefix_cache_waves_properties(w):
-    check_workload(w)
+@given(shared_prefix_waves(), st.booleans())
+def test_prefix_cache_waves_properties(w, lag):
+    check_workload(w, lag)
 
 
 @settings(max_examples=50, deadline=None)
 @given(block_size=st.sampled_from([1, 2, 4]), prompt_len=st.integers(1, 30), max_new=st.integers(1, 10),
-       copies=st.integers(2, 5), caching=st.booleans())
-def test_identical_requests_under_minimal_pool(block_size, prompt_len, max_new, copies, caching):
+       copies=st.integers(2, 5), caching=st.booleans(), lag=st.booleans())
+def test_identical_requests_under_minimal_pool(block_size, prompt_len, max_new, copies, caching, lag):
     """Identical prompts in a pool that holds exactly one of them: constant preemption, still exact results."""
     prompt = [ALPHABET[i % len(ALPHABET)] for i in range(prompt_len)]
     need = -(-(prompt_len + max_new) // block_size)
     bm = BlockManager(need + 1, block_size, enable_prefix_caching=caching)
     sched = Scheduler(bm, max_num_seqs=copies, max_num_batched_tokens=64)
     arrivals = _requests([dict(prompt=prompt, max_new=max_new, group=1, arrival=0)] * copies)
-    live, _ = drive(bm, sched, arrivals)
+    live, _ = drive(bm, sched, arrivals, lag=lag)
     for req in live:
         assert req.output_token_ids == [expected_token(req, k) for k in range(max_new)]
     assert bm.num_free_blocks == bm.num_blocks - 1
 
 
-def test_preemption_really_happens():
+@pytest.mark.parametrize("lag", [False, True])
+def test_preemption_really_happens(lag):
     """A fixed workload that must preempt (guards the property test against never exercising preemption)."""
     bm = BlockManager(7, 2, enable_prefix_caching=True)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
     specs = [dict(prompt=[3 + i, 4, 5, 6], max_new=6, group=0, arrival=0) for i in range(4)]
-    live, preemptions = drive(bm, sched, _requests(specs))
+    live, preemptions = drive(bm, sched, _requests(specs), lag=lag)
     assert preemptions > 0
     assert any(r.num_preemptions for r in live)
     for req in live:

@@ -81,7 +81,9 @@ class BlockManager:
         """Register the request's newly full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        # only blocks whose token values the host knows (a pending token is hashed once it is read back)
+        known = min(req.num_computed_tokens, req.num_known_tokens)
+        num_full = min(known // self.block_size, len(req.block_ids))
         while len(req.block_hashes) < num_full:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else None

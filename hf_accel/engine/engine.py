@@ -13,7 +13,7 @@ from hf_accel.attention.backend import AttentionBackend, AttentionSpec
 from hf_accel.config import AccelConfig
 from hf_accel.engine.block_manager import BlockManager
 from hf_accel.engine.kv_cache import allocate_kv_cache, bytes_per_block
-from hf_accel.engine.request import Request
+from hf_accel.engine.request import Request, RequestStatus
 from hf_accel.engine.runner import ModelRunner
 from hf_accel.engine.sampler import Sampler
 from hf_accel.engine.scheduler import Scheduler
@@ -46,9 +46,25 @@ class ModelShape:
 
 
 @dataclass
+class _InFlight:
+    """A launched step: the requests that sample, their tokens on the device and, when asynchronous, the pinned
+    host copy and the event that says it has arrived."""
+
+    sampled: list[Request]
+    inputs_ready: torch.cuda.Event | None = None
+    tokens: torch.Tensor | None = None
+    rows: dict[int, int] = field(default_factory=dict)  # id(request) -> its row in tokens
+    host_tokens: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    scores: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     preemptions: int = 0
+    async_steps: int = 0  # steps launched before the previous step's tokens were read back
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -99,6 +115,8 @@ class LLMEngine:
                     self.block_size, self.kv_cache_bytes / 2**30)
         self._next_id = 0
         self._weights = self._weights_fingerprint()
+        self._async = False  # set per run(): steps launched one ahead of the host
+        self._inflight: _InFlight | None = None
 
     def _weights_fingerprint(self) -> list[tuple[int, int]]:
         """Address and in-place version counter of every parameter (cheap: no data is read). Buffers are left out:
@@ -182,29 +200,76 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def step(self) -> list[tuple[Request, int]]:
-        """Run one engine step; returns (request, token) for every token sampled in it."""
+        """Run one engine step; returns (request, token) for every token the host read back in it.
+
+        Synchronous mode reads the step's own tokens. Asynchronous mode launches the step, then reads the previous
+        step's tokens while the GPU computes this one (the previous tokens fed this step from device memory), so
+        tokens come back one step late and a request that finished is computed once more and that token dropped.
+        """
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
+        previous, self._inflight = self._inflight, None
         if not sched.requests:
-            if self.scheduler.has_work:
-                raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
-            return []
-        logits, sampled = self.runner.execute(sched)
+            if previous is None:
+                if self.scheduler.has_work:
+                    raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
+                return []
+            return self._read_back(previous)
+        if previous is not None and previous.inputs_ready is not None:
+            previous.inputs_ready.synchronize()  # its host staging buffers are free again (long since, in practice)
+        launched = self._launch(sched, previous)
+        if not self._async:
+            return self._read_back(launched)
+        self._inflight = launched
+        self.stats.async_steps += previous is not None
+        return self._read_back(previous) if previous is not None else []
+
+    def _launch(self, sched, previous: _InFlight | None) -> _InFlight:
+        """Run the forward and the sampler of one scheduled step; the sampled tokens stay on the device."""
+        prev_tokens = previous.tokens if previous is not None else None
+        prev_rows = previous.rows if previous is not None else None
+        logits, sampled = self.runner.execute(sched, prev_tokens, prev_rows)
         for req, n in zip(sched.requests, sched.num_tokens):
             req.num_computed_tokens += n
             self.block_manager.commit(req)
         self.stats.steps += 1
+        flight = _InFlight(sampled=sampled, inputs_ready=self.runner.inputs_ready)
         if not sampled:
-            return []
+            return flight
         tokens, scores = self.sampler(logits, sampled)
-        token_list = tokens.tolist()  # the step's one device-to-host sync
+        flight.tokens = tokens
+        flight.rows = {id(r): i for i, r in enumerate(sampled)}
+        if self._async and tokens.device.type == "cuda":
+            flight.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            flight.host_tokens.copy_(tokens, non_blocking=True)
+            flight.ready = torch.cuda.Event()
+            flight.ready.record()
+        if any(r.want_scores or r.want_logits for r in sampled):
+            flight.scores, flight.logits = scores, logits
+        for req in sampled:
+            req.num_pending_tokens += 1
+        return flight
+
+    def _read_back(self, flight: _InFlight) -> list[tuple[Request, int]]:
+        """Bring a launched step's tokens to the host (its one device-to-host wait), append them, finish requests."""
+        if not flight.sampled:
+            return []
+        if flight.ready is not None:
+            flight.ready.synchronize()
+            token_list = flight.host_tokens.tolist()
+        else:
+            token_list = flight.tokens.tolist()
         out = []
-        for i, (req, tok) in enumerate(zip(sampled, token_list)):
+        for i, (req, tok) in enumerate(zip(flight.sampled, token_list)):
+            req.num_pending_tokens -= 1
+            if req.status == RequestStatus.FINISHED:
+                continue  # finished by the token before, while this one was already being computed: dropped
             req.output_token_ids.append(tok)
             if req.want_scores:
-                req.scores.append(scores[i].detach().clone())
+                req.scores.append(flight.scores[i].detach().clone())
             if req.want_logits:
-                req.raw_logits.append(logits[i].detach().clone())
+                req.raw_logits.append(flight.logits[i].detach().clone())
+            self.block_manager.commit(req)  # blocks whose last token was pending until now
             out.append((req, tok))
             reason = None
             if tok in req.eos_token_ids:
@@ -219,17 +284,26 @@ class LLMEngine:
 
     def run(self, requests: list[Request],
             on_tokens: Callable[[list[tuple[Request, int]]], None] | None = None) -> list[Request]:
-        """Add the requests and step until every one has finished. On error nothing stays queued."""
+        """Add the requests and step until every one has finished. On error nothing stays queued.
+
+        Steps run asynchronously (one ahead of the host) when `AccelConfig.async_scheduling` is on and no request
+        needs token values on the host to be sampled (`Request.is_async_safe`); otherwise synchronously.
+        """
         if not self.scheduler.has_work:
             self.check_weights()
+        self._async = self.cfg.async_scheduling and all(r.is_async_safe for r in requests)
+        self._inflight = None
         try:
             for req in requests:
                 self.add_request(req)
-            while self.scheduler.has_work:
+            while self.scheduler.has_work or self._inflight is not None:
                 emitted = self.step()
                 if on_tokens is not None and emitted:
                     on_tokens(emitted)
         except BaseException:
+            self._inflight = None
             self.scheduler.abort_all()
+            for req in requests:
+                req.num_pending_tokens = 0
             raise
         return requests

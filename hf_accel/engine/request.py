@@ -6,6 +6,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+PENDING_TOKEN = -1  # placeholder id of a token sampled on the device and not read back yet
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -55,6 +57,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
     num_preemptions: int = 0
+    # tokens sampled on the device whose values the host has not read yet (asynchronous scheduling): they count in
+    # num_tokens, so the scheduler can plan the step that consumes them; the runner feeds them from the device
+    num_pending_tokens: int = 0
     finish_reason: str | None = None
     scores: list = field(default_factory=list)  # per generated token, when want_scores
     raw_logits: list = field(default_factory=list)  # per generated token, when want_logits
@@ -65,15 +70,37 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt plus generated tokens, the pending ones (sampled, not yet read by the host) included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host has: the prompt and the generated tokens already read back."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far, the pending ones included (the sampler's step index, min_new_tokens)."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_at(self, i: int) -> int:
+        """Token id at position i; PENDING_TOKEN for a token still on the device."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+        if i < n:
+            return self.prompt_token_ids[i]
+        i -= n
+        return self.output_token_ids[i] if i < len(self.output_token_ids) else PENDING_TOKEN
+
+    @property
+    def is_async_safe(self) -> bool:
+        """True when sampling this request needs no token values on the host (so steps may run one ahead):
+        no repetition penalty, no transformers logits processors, no per-step scores or logits kept."""
+        return (self.sampling.repetition_penalty == 1.0 and self.logits_hook is None and not self.want_scores
+                and not self.want_logits)
 
     @property
     def is_finished(self) -> bool:

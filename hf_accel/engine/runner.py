@@ -10,7 +10,7 @@ the family's own.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ import torch
 from hf_accel.attention.backend import AttentionBackend
 from hf_accel.attention.context import ForwardContext, forward_context
 from hf_accel.attention.metadata import StepMetadata
-from hf_accel.engine.request import Request
+from hf_accel.engine.request import PENDING_TOKEN, Request
 from hf_accel.engine.scheduler import ScheduledStep
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,12 @@ class StepInputs:
     sampled: list[Request]
     max_query_len: int
     max_seq_len: int
+    # tokens still on the device (asynchronous scheduling): their rows in input_ids, and the requests they belong to
+    pending_rows: list[int] = field(default_factory=list)
+    pending_reqs: list[Request] = field(default_factory=list)
+    # filled by execute(): the previous step's sampled tokens on the device, and the row of each pending token there
+    prev_tokens: torch.Tensor | None = None
+    pending_src: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -68,6 +74,7 @@ class ModelRunner:
         self.full_graphs = None
         self.compile_cache = None  # CompileCacheInfo: restore() puts TORCHINDUCTOR_CACHE_DIR back through it
         self.decode_logits_indices = torch.arange(max_num_tokens, dtype=i64, device=dev)  # FULL graphs read this
+        self.inputs_ready: torch.cuda.Event | None = None  # recorded once a step's inputs are on the device
 
     # -- packing -----------------------------------------------------------------------------------------------
     def pack(self, step: ScheduledStep) -> StepInputs:
@@ -78,12 +85,17 @@ class ModelRunner:
             return self._pack_decode(step)
         bs = self.block_size
         ids, pos, slots, qsl, seq_lens, tables, logits_idx, sampled = [], [], [], [0], [], [], [], []
+        pending_rows, pending_reqs = [], []
         for req, n in zip(step.requests, step.num_tokens):
             start = req.num_computed_tokens
             end = start + n
             toks = req.prompt_token_ids[start:end]
             if end > req.num_prompt_tokens:
                 toks = toks + req.output_token_ids[max(0, start - req.num_prompt_tokens) : end - req.num_prompt_tokens]
+            if len(toks) < n:  # the request's last token is still on the device
+                pending_rows.extend(range(qsl[-1] + len(toks), qsl[-1] + n))
+                pending_reqs.extend([req] * (n - len(toks)))
+                toks = toks + [PENDING_TOKEN] * (n - len(toks))
             ids.append(np.asarray(toks, dtype=np.int64))
             p = np.arange(start, end, dtype=np.int64)
             blocks = np.asarray(req.block_ids, dtype=np.int64)
@@ -100,6 +112,7 @@ class ModelRunner:
             query_start_loc=np.asarray(qsl, dtype=np.int32), seq_lens=np.asarray(seq_lens, dtype=np.int32),
             block_tables=self._block_table(tables), logits_indices=np.asarray(logits_idx, dtype=np.int64),
             sampled=sampled, max_query_len=max(step.num_tokens), max_seq_len=max(seq_lens),
+            pending_rows=pending_rows, pending_reqs=pending_reqs,
         )
 
     def _pack_decode(self, step: ScheduledStep) -> StepInputs:
@@ -111,12 +124,13 @@ class ModelRunner:
         slots = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, positions)]
         n = len(reqs)
         seq_lens = np.asarray(positions, dtype=np.int32) + 1
+        pending_rows = [i for i, r in enumerate(reqs) if r.num_pending_tokens] if PENDING_TOKEN in ids else []
         return StepInputs(
             input_ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(positions, dtype=np.int64),
             slot_mapping=np.asarray(slots, dtype=np.int64), query_start_loc=np.arange(n + 1, dtype=np.int32),
             seq_lens=seq_lens, block_tables=self._block_table([r.block_ids for r in reqs]),
             logits_indices=np.arange(n, dtype=np.int64), sampled=list(reqs), max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=int(seq_lens.max()), pending_rows=pending_rows, pending_reqs=[reqs[i] for i in pending_rows],
         )
 
     @staticmethod
@@ -139,6 +153,8 @@ class ModelRunner:
             dst.copy_(host.pin_memory() if nonblocking else host, non_blocking=nonblocking)
 
         put(self.input_ids[:t], inp.input_ids)
+        if inp.pending_rows:
+            self._feed_pending(inp)
         put(self.positions[:t], inp.positions)
         put(self.slot_mapping[:t], inp.slot_mapping)
         if tp > t:
@@ -168,6 +184,28 @@ class ModelRunner:
             slot_mapping=self.slot_mapping[:tp],
             query_lens_cpu=np.diff(inp.query_start_loc).tolist(), seq_lens_cpu=inp.seq_lens.tolist(),
         )
+
+    def _feed_pending(self, inp: StepInputs) -> None:
+        """Fill the rows of tokens still on the device from the previous step's sampled tokens (device to device:
+        the host never waits for them). The common decode case, same requests in the same order, is one copy."""
+        if inp.prev_tokens is None or len(inp.pending_src) != len(inp.pending_rows):
+            raise RuntimeError("internal error: a step consumes tokens still on the device but was not given them")
+        rows, src = inp.pending_rows, inp.pending_src
+        n = len(rows)
+        if rows == list(range(n)) and src == rows:
+            self.input_ids[:n].copy_(inp.prev_tokens[:n])
+            return
+        dev = self.device
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        src_t = torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)
+        self.input_ids.index_copy_(0, rows_t, inp.prev_tokens.index_select(0, src_t))
+
+    def _inputs_uploaded(self) -> None:
+        """Mark the point in the stream after which this step's host staging buffers (ours, and those a backend's
+        plan() reuses) may be written again: the engine waits for it before preparing the next step."""
+        if self.device.type == "cuda":
+            self.inputs_ready = torch.cuda.Event()
+            self.inputs_ready.record()
 
     # -- forward -----------------------------------------------------------------------------------------------
     def model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -313,6 +351,7 @@ class ModelRunner:
         if d.mode.value == "full" and self.full_graphs is not None and d.key in self.full_graphs:
             meta = self.upload(inp, d.num_tokens, d.num_tokens)
             self.backend.prepare(meta)
+            self._inputs_uploaded()
             logits = self.full_graphs.replay(d.key)[0]  # one row per (padded) token
             # every sequence samples one token each (a decode step): row i is sequence i; otherwise the rows of the
             # sampling sequences' last tokens
@@ -324,17 +363,30 @@ class ModelRunner:
         tp = d.num_tokens if d.mode.value == "piecewise" else t
         meta = self.upload(inp, tp)
         self.backend.prepare(meta)
+        self._inputs_uploaded()
         with forward_context(self.context(meta)):
             return self.piecewise(self.input_ids[:tp][None], self.positions[:tp][None], self.logits_indices[:n])[0]
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step; returns float32 logits `[N, V]` for the requests that sample, and those requests."""
+    def execute(self, step: ScheduledStep, prev_tokens: torch.Tensor | None = None,
+                prev_rows: dict[int, int] | None = None) -> tuple[torch.Tensor, list[Request]]:
+        """Run one step; returns float32 logits `[N, V]` for the requests that sample, and those requests.
+
+        `prev_tokens` are the previous step's sampled tokens, still on the device, and `prev_rows` maps
+        `id(request)` to its row there: the source of every token this step consumes that the host has not read.
+        """
         inp = self.pack(step)
+        if inp.pending_rows:
+            try:
+                inp.pending_src = [prev_rows[id(r)] for r in inp.pending_reqs]
+            except (KeyError, TypeError):
+                raise RuntimeError("internal error: a pending token was not sampled by the previous step") from None
+            inp.prev_tokens = prev_tokens
         logits = self._compiled_forward(inp)
         if logits is None:
             meta = self.upload(inp)
             self.backend.prepare(meta)
+            self._inputs_uploaded()
             n, t = len(inp.logits_indices), len(inp.input_ids)
             with forward_context(self.context(meta)):
                 logits = self.model_forward(self.input_ids[:t], self.positions[:t], self.logits_indices[:n])

@@ -50,7 +50,7 @@ def apply_repetition_penalty(scores: torch.Tensor, reqs: list[Request]) -> torch
 def apply_min_new_tokens(scores: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     rows, cols = [], []
     for i, r in enumerate(reqs):
-        if len(r.output_token_ids) < r.sampling.min_new_tokens:
+        if r.num_generated < r.sampling.min_new_tokens:
             for e in r.eos_token_ids:
                 rows.append(i)
                 cols.append(e)
@@ -101,7 +101,7 @@ class Sampler:
         """
         plain = all(
             r.sampling.is_greedy and r.sampling.repetition_penalty == 1.0 and r.logits_hook is None
-            and len(r.output_token_ids) >= r.sampling.min_new_tokens
+            and r.num_generated >= r.sampling.min_new_tokens
             for r in reqs
         )
         if plain:
@@ -125,7 +125,7 @@ class Sampler:
             rows = torch.tensor(sampling_rows, device=logits.device)
             sub_scores = scores[rows]
             seeds = torch.tensor([reqs[i].sampling.seed for i in sampling_rows], device=logits.device)
-            steps = torch.tensor([len(reqs[i].output_token_ids) for i in sampling_rows], device=logits.device)
+            steps = torch.tensor([reqs[i].num_generated for i in sampling_rows], device=logits.device)
             probs = sub_scores.softmax(dim=-1)
             noise = -torch.log(_uniform(seeds, steps, scores.shape[-1]))
             tokens[rows] = (probs / noise).argmax(dim=-1)

@@ -70,6 +70,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending_tokens and req.num_generated >= req.max_new_tokens:
+                i += 1  # its last token is still on the device: nothing left to compute, it finishes when read
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not bm.ensure(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
@@ -104,9 +107,12 @@ class Scheduler:
         return step
 
     def finish(self, req: Request, reason: str) -> None:
+        """Retire a request. With asynchronous scheduling it may have been preempted (back in the queue) in the
+        step that was planned while its last token was still on the device."""
+        queued = req.status == RequestStatus.WAITING
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self.running.remove(req)
+        (self.waiting if queued else self.running).remove(req)
         self.block_manager.release(req)
 
     def abort_all(self) -> None:
