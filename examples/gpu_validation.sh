@@ -8,10 +8,14 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 P="-q -p no:cacheprovider -rs --durations=5"
 case "${1:-tests}" in
-  tests)  # every GPU test; the backend-selection parity suite pays FlashInfer's JIT per head dim on a fresh machine
-    (CUDA_VISIBLE_DEVICES=0 timeout 540 python3 -m pytest -m gpu $P tests/test_gpu_ab.py >"$OUT/ab.log" 2>&1) &
-    (CUDA_VISIBLE_DEVICES=1 timeout 540 python3 -m pytest -m gpu $P --ignore=tests/test_gpu_ab.py >"$OUT/rest.log" 2>&1) &
-    wait; tail -3 "$OUT/ab.log" "$OUT/rest.log" ;;
+  tests)  # every GPU test; backend-selection parity pays FlashInfer's JIT per head dim on a fresh machine
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 400 python3 -m pytest -m gpu $P tests/test_gpu_ab.py >"$OUT/ab.log" 2>&1
+     timeout 130 python3 -m pytest -m gpu $P --ignore=tests/test_gpu_ab.py --ignore=tests/test_backend_selection.py \
+       >"$OUT/rest.log" 2>&1) &
+    (CUDA_VISIBLE_DEVICES=1 timeout 540 python3 -m pytest -m gpu $P tests/test_backend_selection.py \
+       >"$OUT/selection.log" 2>&1) &
+    wait; tail -3 "$OUT/ab.log" "$OUT/rest.log" "$OUT/selection.log" ;;
   bench)  # WORKLOADS.md figures beside every stock anchor, both shapes
     (CUDA_VISIBLE_DEVICES=0 timeout 580 hf-accel bench --workload w1,w2,w3 --shape qwen3-0.6b \
       --anchors eager,static,generate_batch --anchor-repeats 1 --anchor-warmup 0 --no-progress \
@@ -20,9 +24,13 @@ case "${1:-tests}" in
       --anchors eager,static --anchor-repeats 1 --anchor-warmup 0 --no-progress \
       --json "$OUT/llama.json" >"$OUT/llama.log" 2>&1) &
     wait; tail -25 "$OUT/qwen3.log" "$OUT/llama.log" ;;
-  backends)  # our figures per attention backend (no anchors: those come from the bench round)
-    run() { CUDA_VISIBLE_DEVICES=$1 timeout 280 hf-accel bench --workload w1,w2,w3 --shape qwen3-0.6b --anchors none \
+  backends)  # our figures per attention backend (anchors and the auto choice come from the bench round), and where
+    # a W2 decode step's time goes
+    run() { CUDA_VISIBLE_DEVICES=$1 timeout 250 hf-accel bench --workload w1,w2,w3 --shape qwen3-0.6b --anchors none \
       --attention-backend "$2" --no-progress --json "$OUT/backend-$2.json" >"$OUT/backend-$2.log" 2>&1; }
-    (run 0 triton; run 0 torch) & (run 1 flashinfer; run 1 flash_attn) &
-    wait; for b in triton torch flashinfer flash_attn; do grep -E "hf_accel|guard" "$OUT/backend-$b.log"; done ;;
+    (run 0 torch; CUDA_VISIBLE_DEVICES=0 timeout 200 python3 examples/profile_decode.py --shape qwen3-0.6b \
+       --batch 64 --new-tokens 128 >"$OUT/profile-w2.log" 2>&1) &
+    (run 1 flashinfer; run 1 flash_attn) &
+    wait; for b in torch flashinfer flash_attn; do grep -E "hf_accel|guard" "$OUT/backend-$b.log"; done
+    tail -40 "$OUT/profile-w2.log" ;;
 esac

@@ -112,6 +112,7 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     cfg = cfg.resolve_for(device)
     spec = _attention_spec(model)
     static = select_backend(cfg.attention_backend, spec, device)  # bad options raise here, before anything is undone
+    select_s = time.perf_counter() - t0  # includes importing the optional attention libraries
     if hasattr(model, _STATE):
         restore(model)
     backend_cls, autotune_info = _choose_backend(model, cfg, spec, device, static)
@@ -123,10 +124,12 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     try:
         # compiled forwards run q/k/v and gate/up as one GEMM each: give those weights one storage (no copy kept);
         # the storages they leave go back to the GPU before the KV cache is sized from free memory
+        t_pack = time.perf_counter()
         if cfg.compile:
             packed = pack_sibling_linears(model)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        pack_s = time.perf_counter() - t_pack
         patch_s = time.perf_counter() - t0
         engine = LLMEngine(model, cfg, backend_cls, spec)
     except BaseException:
@@ -138,7 +141,7 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
                        original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed)
     ci = engine.compile_info
     autotune_s = (autotune_info or {}).get("seconds", 0.0)
-    state.startup = {"patch_s": patch_s - autotune_s, "autotune_s": autotune_s,
+    state.startup = {"patch_s": patch_s - autotune_s, "select_s": select_s, "pack_s": pack_s, "autotune_s": autotune_s,
                      "kv_cache_s": engine.stats.timings.get("kv_cache_s", 0.0),
                      "compile_s": ci.get("compile_s", 0.0), "capture_s": ci.get("capture_s", 0.0)}
     state.extra_info.update(graph_pool_bytes=ci.get("graph_pool_bytes", 0), compile_cache=ci.get("compile_cache"),
