@@ -245,7 +245,7 @@ class LLMEngine:
             flight.ready = torch.cuda.Event()
             flight.ready.record()
         if any(r.want_scores or r.want_logits for r in sampled):
-            flight.scores, flight.logits = scores, logits
+            flight.scores, flight.logits = scores, logits.float()
         for req in sampled:
             req.num_pending_tokens += 1
         return flight

@@ -370,7 +370,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: ScheduledStep, prev_tokens: torch.Tensor | None = None,
                 prev_rows: dict[int, int] | None = None) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step; returns float32 logits `[N, V]` for the requests that sample, and those requests.
+        """Run one step; returns logits `[N, V]` (the model's dtype) for the requests that sample, and those requests.
 
         `prev_tokens` are the previous step's sampled tokens, still on the device, and `prev_rows` maps
         `id(request)` to its row there: the source of every token this step consumes that the host has not read.
@@ -390,4 +390,4 @@ class ModelRunner:
             n, t = len(inp.logits_indices), len(inp.input_ids)
             with forward_context(self.context(meta)):
                 logits = self.model_forward(self.input_ids[:t], self.positions[:t], self.logits_indices[:n])
-        return logits.float(), inp.sampled
+        return logits, inp.sampled

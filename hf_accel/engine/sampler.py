@@ -95,15 +95,20 @@ def apply_warpers(scores: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits `[N, V]` (float32) for the requests that sample this step -> (token ids `[N]`, scores `[N, V]`).
+        """logits `[N, V]` for the requests that sample this step -> (token ids `[N]`, scores `[N, V]` float32).
 
-        Scores are the processed logits that stock `generate()` reports as `scores`.
+        Scores are the processed logits that stock `generate()` reports as `scores`. Plain greedy steps take the
+        argmax of the logits as they come (exact in any dtype) and skip the float32 copy unless a request keeps
+        its scores or logits.
         """
         plain = all(
             r.sampling.is_greedy and r.sampling.repetition_penalty == 1.0 and r.logits_hook is None
             and r.num_generated >= r.sampling.min_new_tokens
             for r in reqs
         )
+        if plain and not any(r.want_scores or r.want_logits for r in reqs):
+            return logits.argmax(dim=-1), logits
+        logits = logits.float()
         if plain:
             return logits.argmax(dim=-1), logits
         hooked = [i for i, r in enumerate(reqs) if r.logits_hook is not None]
