@@ -287,6 +287,9 @@ class ModelRunner:
                                                       backend_name=self.backend.name)
                 info["cudagraph_mode"] = self.dispatcher.mode.value
             info["compile_s"] = time.perf_counter() - t0
+            if self.piecewise is not None:  # where the compile time goes: Dynamo tracing vs split + Inductor
+                info["trace_s"] = self.piecewise.stats.trace_seconds
+                info["split_compile_s"] = self.piecewise.stats.compile_seconds
         if compile:
             t0 = time.perf_counter()
 
