@@ -28,6 +28,7 @@ from hf_accel.compilation.linear_packing import PackRecord, pack_sibling_linears
 from hf_accel.config import AccelConfig, CUDAGraphMode
 from hf_accel.engine.engine import LLMEngine, ModelShape
 from hf_accel.generation import EngineGenerator, stock_reason
+from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.patches import family_patch
 
 logger = logging.getLogger("hf_accel")
@@ -45,6 +46,7 @@ class AccelState:
     extra_info: dict[str, Any] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)
     packed_linears: PackRecord | None = None
+    fused_ops: FusedRecord | None = None
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -121,24 +123,33 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     original = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION_NAME)
     packed: PackRecord | None = None
+    fused: FusedRecord | None = None
+    # compile off on CUDA (and not enforce_eager, which keeps the model's own modules): RMSNorms and SiLU MLPs get
+    # one-kernel Triton forwards, what Inductor's fusion gives the compiled path
+    fuse = _wants_fused_ops(cfg, device)
     try:
-        # compiled forwards run q/k/v and gate/up as one GEMM each: give those weights one storage (no copy kept);
-        # the storages they leave go back to the GPU before the KV cache is sized from free memory
+        # compiled forwards run q/k/v and gate/up as one GEMM each (the fused MLP gate/up): give those weights one
+        # storage (no copy kept); the storages they leave go back to the GPU before the KV cache is sized
         t_pack = time.perf_counter()
-        if cfg.compile:
+        if cfg.compile or fuse:
             packed = pack_sibling_linears(model)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if fuse:
+            fused = install_fused_ops(model)
         pack_s = time.perf_counter() - t_pack
         patch_s = time.perf_counter() - t0
         engine = LLMEngine(model, cfg, backend_cls, spec)
     except BaseException:
         model.set_attn_implementation(original)
+        if fused is not None:
+            uninstall_fused_ops(fused)
         if packed is not None:
             unpack_sibling_linears(packed)
         raise
     state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
-                       original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed)
+                       original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed,
+                       fused_ops=fused)
     ci = engine.compile_info
     autotune_s = (autotune_info or {}).get("seconds", 0.0)
     state.startup = {"patch_s": patch_s - autotune_s, "select_s": select_s, "pack_s": pack_s, "autotune_s": autotune_s,
@@ -154,6 +165,11 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     logger.info("hf_accel: accelerated %s with the %s backend in %.1f s", type(model).__name__, backend_cls.name,
                 state.startup["total_s"])
     return model
+
+
+def _wants_fused_ops(cfg: AccelConfig, device: torch.device) -> bool:
+    """Fused Triton norms/MLPs: on CUDA with compile off (Inductor fuses the compiled path), not enforce_eager."""
+    return device.type == "cuda" and not cfg.compile and not cfg.enforce_eager
 
 
 def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
@@ -212,6 +228,8 @@ def restore(model):
         if name in model.__dict__:
             del model.__dict__[name]
     model.set_attn_implementation(state.original_attn_implementation)
+    if state.fused_ops is not None:
+        uninstall_fused_ops(state.fused_ops)
     if state.packed_linears is not None:
         unpack_sibling_linears(state.packed_linears)
     cache = getattr(state.engine.runner, "compile_cache", None)
@@ -245,6 +263,8 @@ def engine_info(model) -> dict[str, Any]:
         "kv_cache_bytes": eng.kv_cache_bytes, "graph_pool_bytes": state.extra_info.get("graph_pool_bytes", 0),
         "startup": dict(state.startup), "compile_cache": state.extra_info.get("compile_cache"),
         "backend_autotune": state.extra_info.get("backend_autotune"),
+        "fused_ops": ({"norms": state.fused_ops.norms, "mlps": state.fused_ops.mlps}
+                      if state.fused_ops is not None and state.fused_ops.modules else None),
         "config": {k: (v.value if hasattr(v, "value") else v) for k, v in vars(state.config).items()},
     }
 
@@ -256,10 +276,15 @@ def _stock_attention(model):
     state: AccelState = getattr(model, _STATE)
     previous = model.config._attn_implementation
     model.set_attn_implementation(state.original_attn_implementation)
+    fused = state.fused_ops is not None and bool(state.fused_ops.modules)
+    if fused:  # the stock path runs the model's own norms and MLPs too
+        uninstall_fused_ops(state.fused_ops)
     try:
         yield
     finally:
         model.set_attn_implementation(previous)
+        if fused:
+            state.fused_ops = install_fused_ops(model)
 
 
 def _warn_stock(state: AccelState, reason: str) -> None:

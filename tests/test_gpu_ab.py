@@ -109,6 +109,34 @@ def test_backend_mode_matches_stock(shape, backend, mode):
 
 @requires_cuda
 @pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compile_off_fused_ops_match_stock(shape, backend):
+    """compile=False on CUDA: fused Triton RMSNorm / SiLU-mul forwards, full graphs of that eager forward for
+    decode, eager mixed steps; greedy output as stock's, and the stock path runs the model's own modules again."""
+    from hf_accel.api import engine_info
+
+    model = gpu_model(shape)
+    ids, mask = batch([100, 37, 64, 5, 80, 12, 90, 50, 3], seed=3)
+    new = 24
+    ref, ref_scores = reference(model, ids, mask, new)
+    accelerate_model(model, attention_backend=backend, compile=False, cudagraph_mode="full",
+                     max_num_batched_tokens=256, cudagraph_capture_sizes=[1, 2, 4, 8, 16])
+    try:
+        fused = engine_info(model)["fused_ops"]
+        assert fused and fused["norms"] > 0 and fused["mlps"] > 0, fused
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        # beam search takes the stock path: the model's own norm and MLP forwards, then the fused ones again
+        with pytest.warns(UserWarning):
+            model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, num_beams=2)
+        assert any("forward" in m.__dict__ for m in model.modules())
+    finally:
+        restore(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert_greedy_matches(ref, got, ref_scores, ids.shape[1])
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_first_step_logits_close(shape):
     model = gpu_model(shape)
     ids, mask = batch([64, 20], seed=2)
