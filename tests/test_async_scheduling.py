@@ -119,3 +119,33 @@ def test_stop_strings_under_async(stock_model, async_pair, tokenizer):
     got, n_async = _engine_run(async_pair[0], **kw, stop_strings=[stop], tokenizer=tokenizer)
     assert torch.equal(got, want), f"async\n{got}\nstock\n{want}"
     assert n_async > 0
+
+
+@pytest.mark.parametrize("outer_penalty", [1.0, 1.3])
+def test_generate_called_from_inside_a_running_call(stock_model, async_pair, outer_penalty):
+    """A streamer that calls generate() on the same model mid-call: the running call's step in flight is read back,
+    both calls finish with stock's tokens (the outer one with or without a host-side penalty), the engine is idle."""
+    ids, mask = left_pad(ROWS[:2])
+    outer_kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=PAD_ID,
+                    eos_token_id=None, repetition_penalty=outer_penalty)
+    inner_kw = dict(input_ids=torch.tensor([[9, 9, 9]]), max_new_tokens=3, do_sample=False, pad_token_id=PAD_ID,
+                    eos_token_id=None)
+    want_outer, want_inner = stock_model.generate(**outer_kw), stock_model.generate(**inner_kw)
+    model = async_pair[0]
+    inner = []
+
+    class NestingStreamer:
+        puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 3:
+                inner.append(model.generate(**inner_kw))
+
+        def end(self):
+            pass
+
+    got = model.generate(**outer_kw, streamer=NestingStreamer())
+    assert torch.equal(got, want_outer)
+    assert inner and torch.equal(inner[0], want_inner)
+    assert_engine_idle(model)

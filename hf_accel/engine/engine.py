@@ -116,6 +116,7 @@ class LLMEngine:
         self._next_id = 0
         self._weights = self._weights_fingerprint()
         self._async = False  # set per run(): steps launched one ahead of the host
+        self._depth = 0  # run() calls in progress (a streamer or stopping criterion may call generate() again)
         self._inflight: _InFlight | None = None
 
     def _weights_fingerprint(self) -> list[tuple[int, int]]:
@@ -288,11 +289,25 @@ class LLMEngine:
 
         Steps run asynchronously (one ahead of the host) when `AccelConfig.async_scheduling` is on and no request
         needs token values on the host to be sampled (`Request.is_async_safe`); otherwise synchronously.
+
+        A call made while another is running (generate() from inside a streamer or a stopping criterion) first
+        reads back the running call's step in flight, then steps everything synchronously until the scheduler is
+        empty (the outer call's requests too, whose callbacks catch up from the requests' state), and hands the
+        outer call its mode back.
         """
-        if not self.scheduler.has_work:
-            self.check_weights()
-        self._async = self.cfg.async_scheduling and all(r.is_async_safe for r in requests)
-        self._inflight = None
+        nested = self._depth > 0
+        outer_async = self._async
+        if nested:
+            if self._inflight is not None:
+                flight, self._inflight = self._inflight, None
+                self._read_back(flight)
+            self._async = False
+        else:
+            if not self.scheduler.has_work:
+                self.check_weights()
+            self._async = self.cfg.async_scheduling and all(r.is_async_safe for r in requests)
+            self._inflight = None
+        self._depth += 1
         try:
             for req in requests:
                 self.add_request(req)
@@ -306,4 +321,8 @@ class LLMEngine:
             for req in requests:
                 req.num_pending_tokens = 0
             raise
+        finally:
+            self._depth -= 1
+            if nested:
+                self._async = outer_async
         return requests
