@@ -53,4 +53,8 @@ case "${1:-tests}" in
         --no-progress --json "$OUT/backend-$b.json" >"$OUT/backend-$b.log" 2>&1
     done
     tail -22 "$OUT/llama.log"; for b in flashinfer flash_attn; do grep -E "hf_accel|guard" "$OUT/backend-$b.log"; done ;;
+  selection)  # backend-selection parity alone: on a fresh machine FlashInfer JIT-compiles each head dim and each
+    # soft-cap / window variant (about 75 s each), which takes most of a call
+    timeout 590 python3 -m pytest -m gpu $P -rA tests/test_backend_selection.py >"$OUT/selection.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/selection.log" | tail -30 ;;
 esac
