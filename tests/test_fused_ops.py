@@ -11,19 +11,13 @@ fused results must equal stock almost everywhere, not just be close.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels then run on CPU tensors
+from triton_mode import DEVICE, ON_GPU, load_kernel_modules
 
 triton = pytest.importorskip("triton")
 
 import ast  # noqa: E402
-import importlib  # noqa: E402
 import inspect  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
@@ -39,41 +33,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 from hf_accel.compilation.linear_packing import pack_sibling_linears, unpack_sibling_linears  # noqa: E402
 from hf_accel.ops import fused  # noqa: E402
 
+(K,) = load_kernel_modules(["hf_accel.ops.fused_kernels"], "_rms_norm_kernel")
 
-def _make_triton_language_interpretable() -> None:
-    """Make triton's own @jit library functions (tl.sum, tl.math.rsqrt, ...) callable by the interpreter.
-
-    `@triton.jit` picks interpreter or compiler when a function is defined, and triton is usually imported before
-    this module runs (torch._dynamo imports it). Same helper as in tests/test_triton_kernels.py; running it twice
-    is harmless (the second run finds nothing left to rebind).
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    done: dict[int, InterpretedFunction] = {}
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not mod_name.startswith("triton.language"):
-            continue
-        for name, obj in list(vars(mod).items()):
-            if isinstance(obj, JITFunction):
-                if id(obj) not in done:
-                    done[id(obj)] = InterpretedFunction(obj.fn)
-                setattr(mod, name, done[id(obj)])
-
-
-def _load_kernels_in_the_right_mode():
-    """Kernels are bound to interpreter or compiler when defined; redefine them if defined in the other mode."""
-    if not ON_GPU:
-        _make_triton_language_interpretable()
-    mod = importlib.import_module("hf_accel.ops.fused_kernels")
-    if (type(mod._rms_norm_kernel).__name__ == "InterpretedFunction") == ON_GPU:
-        mod = importlib.reload(mod)
-    return mod
-
-
-K = _load_kernels_in_the_right_mode()
-
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (compiled Triton kernels)")
 

@@ -11,66 +11,25 @@ past a sequence's end) shows up as NaN in the output.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels then run on CPU tensors
+from triton_mode import DEVICE, ON_GPU, load_kernel_modules
 
 triton = pytest.importorskip("triton")
 
 import dataclasses  # noqa: E402
-import importlib  # noqa: E402
-import sys  # noqa: E402
 
 from hf_accel.attention.backend import AttentionSpec  # noqa: E402
 from hf_accel.attention.metadata import StepMetadata  # noqa: E402
 from hf_accel.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
-
-def _make_triton_language_interpretable() -> None:
-    """Make triton's own @jit library functions (tl.zeros, tl.max, ...) callable by the interpreter.
-
-    `@triton.jit` picks interpreter or compiler when a function is defined, and triton is usually imported before
-    this module runs (torch._dynamo imports it), so its standard library was defined for the compiler. Rebind
-    those functions as interpreted ones; kernels never compile in this process, so nothing else sees a change.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    done: dict[int, InterpretedFunction] = {}
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not mod_name.startswith("triton.language"):
-            continue
-        for name, obj in list(vars(mod).items()):
-            if isinstance(obj, JITFunction):
-                if id(obj) not in done:
-                    done[id(obj)] = InterpretedFunction(obj.fn)
-                setattr(mod, name, done[id(obj)])
-
-
-def _load_kernels_in_the_right_mode() -> None:
-    """Kernels are bound to interpreter or compiler when defined; redefine them if defined in the other mode."""
-    if not ON_GPU:
-        _make_triton_language_interpretable()
-    names = ["common", "kv_write", "unified_attention", "split_kv_decode"]
-    mods = [importlib.import_module(f"hf_accel.attention.kernels.{n}") for n in names]
-    interpreted = type(mods[1]._write_kv_kernel).__name__ == "InterpretedFunction"
-    if interpreted == ON_GPU:
-        for name in names:
-            importlib.reload(sys.modules[f"hf_accel.attention.kernels.{name}"])
-
-
-_load_kernels_in_the_right_mode()
+load_kernel_modules([f"hf_accel.attention.kernels.{n}" for n in ("kv_write", "common", "unified_attention",
+                                                                    "split_kv_decode")], "_write_kv_kernel")
 
 from hf_accel.attention.kernels.common import TileConfig  # noqa: E402
 from hf_accel.attention.kernels.split_kv_decode import choose_num_splits  # noqa: E402
 from hf_accel.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 TOL = {torch.float32: 2e-4, torch.float16: 6e-3, torch.bfloat16: 2.5e-2}
 
 
