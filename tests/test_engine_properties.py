@@ -102,7 +102,8 @@ def read_back(bm: BlockManager, sched: Scheduler, launched: list[tuple[Request, 
         if req.is_finished:
             continue  # computed once more after its last token: dropped
         req.output_token_ids.append(tok)
-        bm.commit(req)
+        if req.num_computed_tokens >= req.num_known_tokens:
+            bm.commit(req)
         if len(req.output_token_ids) >= req.max_new_tokens:
             sched.finish(req, "length")
 
@@ -152,7 +153,8 @@ def drive(bm: BlockManager, sched: Scheduler, arrivals: list[tuple[int, Request]
         for req, n in zip(step.requests, step.num_tokens, strict=True):
             kv.write(bm, req, req.num_computed_tokens, n)
             req.num_computed_tokens += n
-            bm.commit(req)
+            if not req.num_pending_tokens:
+                bm.commit(req)
         launched = []
         for req in sampled:
             launched.append((req, expected_token(req, req.num_generated)))

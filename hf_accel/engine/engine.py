@@ -232,7 +232,8 @@ class LLMEngine:
         logits, sampled = self.runner.execute(sched, prev_tokens, prev_rows)
         for req, n in zip(sched.requests, sched.num_tokens):
             req.num_computed_tokens += n
-            self.block_manager.commit(req)
+            if not req.num_pending_tokens:  # else its last computed token is still on the device: _read_back commits
+                self.block_manager.commit(req)
         self.stats.steps += 1
         flight = _InFlight(sampled=sampled, inputs_ready=self.runner.inputs_ready)
         if not sampled:
@@ -270,7 +271,8 @@ class LLMEngine:
                 req.scores.append(flight.scores[i].detach().clone())
             if req.want_logits:
                 req.raw_logits.append(flight.logits[i].detach().clone())
-            self.block_manager.commit(req)  # blocks whose last token was pending until now
+            if req.num_computed_tokens >= req.num_known_tokens:  # it fed a step while pending: commit skipped then
+                self.block_manager.commit(req)
             out.append((req, tok))
             reason = None
             if tok in req.eos_token_ids:
