@@ -106,7 +106,7 @@ def unpack_sibling_linears(record: PackRecord) -> None:
     record.params.clear()
 
 
-def _consecutive(tensors: list[torch.Tensor]) -> bool:
+def consecutive_rows(tensors: list[torch.Tensor]) -> bool:
     """Row blocks of one contiguous 2-D (or 1-D) storage, in order, with nothing in between."""
     base = tensors[0]
     ptr = base.untyped_storage().data_ptr()
@@ -163,14 +163,14 @@ def _bias(node: torch.fx.Node) -> Any:
 
 def _can_extend(run: list[torch.fx.Node], node: torch.fx.Node, real: dict) -> bool:
     weights = [real[n.args[1]] for n in [*run, node]]
-    if not _consecutive(weights):
+    if not consecutive_rows(weights):
         return False
     biases = [_bias(n) for n in [*run, node]]
     if all(b is None for b in biases):
         return True
     if any(b is None for b in biases):
         return False
-    return _consecutive([real[b] for b in biases])
+    return consecutive_rows([real[b] for b in biases])
 
 
 def _fake_values(run: list[torch.fx.Node], rows: list[int], cols: int) -> list[Any] | None:

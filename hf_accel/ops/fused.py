@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_accel.compilation.linear_packing import _consecutive
+from hf_accel.compilation.linear_packing import consecutive_rows
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def gate_packed_with_up(mlp: nn.Module) -> bool:
 
     Checked on every call: `restore()` or `unpack_sibling_linears` may give the weights their own storage again.
     """
-    return _consecutive([mlp.gate_proj.weight, mlp.up_proj.weight])
+    return consecutive_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
 
 
 def _norm_style(module: nn.Module) -> str | None:
