@@ -200,12 +200,17 @@ class ModelRunner:
         src_t = torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)
         self.input_ids.index_copy_(0, rows_t, inp.prev_tokens.index_select(0, src_t))
 
-    def _inputs_uploaded(self) -> None:
-        """Mark the point in the stream after which this step's host staging buffers (ours, and those a backend's
-        plan() reuses) may be written again: the engine waits for it before preparing the next step."""
+    def _stage(self, inp: StepInputs, num_tokens_padded: int | None = None,
+               num_seqs_padded: int | None = None) -> StepMetadata:
+        """Upload a step and let the backend prepare it, then mark the point in the stream after which this step's
+        host staging buffers (ours, and those a backend's plan() reuses) may be written again: the engine waits for
+        it before preparing the next step."""
+        meta = self.upload(inp, num_tokens_padded, num_seqs_padded)
+        self.backend.prepare(meta)
         if self.device.type == "cuda":
             self.inputs_ready = torch.cuda.Event()
             self.inputs_ready.record()
+        return meta
 
     # -- forward -----------------------------------------------------------------------------------------------
     def model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -352,9 +357,7 @@ class ModelRunner:
         t, n = len(inp.input_ids), len(inp.logits_indices)
         d = self.dispatcher.dispatch(t, inp.max_query_len == 1)
         if d.mode.value == "full" and self.full_graphs is not None and d.key in self.full_graphs:
-            meta = self.upload(inp, d.num_tokens, d.num_tokens)
-            self.backend.prepare(meta)
-            self._inputs_uploaded()
+            self._stage(inp, d.num_tokens, d.num_tokens)
             logits = self.full_graphs.replay(d.key)[0]  # one row per (padded) token
             # every sequence samples one token each (a decode step): row i is sequence i; otherwise the rows of the
             # sampling sequences' last tokens
@@ -364,9 +367,7 @@ class ModelRunner:
         if self.piecewise is None:
             return None
         tp = d.num_tokens if d.mode.value == "piecewise" else t
-        meta = self.upload(inp, tp)
-        self.backend.prepare(meta)
-        self._inputs_uploaded()
+        meta = self._stage(inp, tp)
         with forward_context(self.context(meta)):
             return self.piecewise(self.input_ids[:tp][None], self.positions[:tp][None], self.logits_indices[:n])[0]
 
@@ -387,9 +388,7 @@ class ModelRunner:
             inp.prev_tokens = prev_tokens
         logits = self._compiled_forward(inp)
         if logits is None:
-            meta = self.upload(inp)
-            self.backend.prepare(meta)
-            self._inputs_uploaded()
+            meta = self._stage(inp)
             n, t = len(inp.logits_indices), len(inp.input_ids)
             with forward_context(self.context(meta)):
                 logits = self.model_forward(self.input_ids[:t], self.positions[:t], self.logits_indices[:n])
