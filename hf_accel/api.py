@@ -23,7 +23,15 @@ from hf_accel.attention.autotune import (
 )
 from hf_accel.attention.backend import AttentionSpec
 from hf_accel.attention.op import ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward
-from hf_accel.attention.registry import auto_candidates, available_backends_for, select_backend
+from hf_accel.attention.registry import (
+    BACKEND_NAMES,
+    auto_candidates,
+    available_backends_for,
+    backend_reasons,
+    load_backend_class,
+    probable_auto_names,
+    select_backend,
+)
 from hf_accel.compilation.linear_packing import PackRecord, pack_sibling_linears, unpack_sibling_linears
 from hf_accel.config import AccelConfig, CUDAGraphMode
 from hf_accel.engine.engine import LLMEngine, ModelShape
@@ -113,11 +121,17 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     device = _model_device(model)
     cfg = cfg.resolve_for(device)
     spec = _attention_spec(model)
-    static = select_backend(cfg.attention_backend, spec, device)  # bad options raise here, before anything is undone
-    select_s = time.perf_counter() - t0  # includes importing the optional attention libraries
+    t_select = time.perf_counter()
+    if cfg.attention_backend != "auto":  # a named backend that cannot run raises here, before anything is undone
+        select_backend(cfg.attention_backend, spec, device)
+    select_s = time.perf_counter() - t_select
     if hasattr(model, _STATE):
         restore(model)
-    backend_cls, autotune_info = _choose_backend(model, cfg, spec, device, static)
+    t_select = time.perf_counter()
+    backend_cls, autotune_info = _choose_backend(model, cfg, spec, device)
+    # select_s: the checks and the optional libraries they import (every candidate's when autotuning, the winner's
+    # alone when its answer is remembered); autotune_s is the timing itself
+    select_s += time.perf_counter() - t_select - (autotune_info or {}).get("seconds", 0.0)
 
     AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
     original = model.config._attn_implementation
@@ -173,33 +187,32 @@ def _wants_fused_ops(cfg: AccelConfig, device: torch.device) -> bool:
 
 
 def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
-                    device: torch.device, static: type | None = None) -> tuple[type, dict[str, Any] | None]:
+                    device: torch.device) -> tuple[type, dict[str, Any] | None]:
     """The backend class, and for "auto" on CUDA with several candidates the autotune record (chosen, timings).
 
     The static rule (registry.select_backend) names the candidates in preference order; autotuning times them on
     this model's shapes and keeps the fastest; the answer is remembered on disk beside the compile cache (keyed by
-    GPU, shape, candidates, library versions and our sources), so a second start skips the timing. If autotuning
-    itself fails, the static choice stands (logged).
+    GPU, shape, candidate names, library versions and our sources), so a second start skips the timing, and imports
+    only the remembered winner's library (the candidate names come from a probe that imports nothing). If
+    autotuning itself fails, the static choice stands (logged).
     """
-    static = static or select_backend(cfg.attention_backend, spec, device)
     if cfg.attention_backend != "auto" or device.type != "cuda" or not cfg.autotune_attention:
-        return static, None
-    candidates = auto_candidates(spec, device)
-    if cfg.block_size is not None:  # a block size the user fixed must suit the winner
-        candidates = [c for c in candidates if cfg.block_size in c.supported_block_sizes] or candidates
-    if len(candidates) < 2:
-        return static, None
+        return select_backend(cfg.attention_backend, spec, device), None
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     # decode is timed as the engine will run it: replayed from a full CUDA graph only in modes that have them
     decode_in_graph = CUDAGraphMode(cfg.cudagraph_mode or "none").has_full
     shape = {"num_decode_seqs": min(32, cfg.max_num_seqs), "num_layers": text.num_hidden_layers,
              "block_size_hint": cfg.block_size, "decode_in_graph": decode_in_graph}
-    cache_file = autotune_cache_file(cfg.compile_cache_dir, spec, device, candidates, **shape)
-    cached = load_cached_choice(cache_file, candidates)
-    if cached is not None:
-        logger.info("hf_accel: attention autotune: %s (remembered in %s)", cached[0].name, cache_file)
-        return cached[0], {"chosen": cached[0].name, "static_choice": static.name, "seconds": 0.0, "cached": True,
-                           "candidates": [c.name for c in candidates], "timings": cached[1]}
+    cache_file = autotune_cache_file(cfg.compile_cache_dir, spec, device, probable_auto_names(spec, device), **shape)
+    remembered = _remembered_backend(cache_file, spec, device, cfg.block_size)
+    if remembered is not None:
+        return remembered
+    static = select_backend("auto", spec, device)
+    candidates = auto_candidates(spec, device)
+    if cfg.block_size is not None:  # a block size the user fixed must suit the winner
+        candidates = [c for c in candidates if cfg.block_size in c.supported_block_sizes] or candidates
+    if len(candidates) < 2:
+        return static, None
     t0 = time.perf_counter()
     try:
         best, timings = autotune_backends(candidates, spec, device, cfg.block_size,
@@ -211,12 +224,29 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
         return static, {"chosen": static.name, "static_choice": static.name, "error": str(exc),
                         "seconds": time.perf_counter() - t0}
     seconds = time.perf_counter() - t0
-    store_choice(cache_file, best, timings)
+    store_choice(cache_file, best, timings, static_choice=static.name)
     summary = ", ".join(f"{name} " + (f"{t['score']:.3f}" if "score" in t else "failed") for name, t in timings.items())
     logger.info("hf_accel: attention autotune chose %s in %.1f s (score = %s x decode ms + prefill ms: %s)",
                 best.name, seconds, DECODE_WEIGHT, summary)
     return best, {"chosen": best.name, "static_choice": static.name, "seconds": seconds, "cached": False,
                   "candidates": [c.name for c in candidates], "timings": timings}
+
+
+def _remembered_backend(cache_file, spec: AttentionSpec, device: torch.device,
+                        block_size: int | None) -> tuple[type, dict[str, Any]] | None:
+    """The remembered autotune winner, fully checked (its library imported) and still able to run; else None."""
+    remembered = load_cached_choice(cache_file)
+    if remembered is None:
+        return None
+    name, record = remembered
+    if name not in BACKEND_NAMES or backend_reasons(name, spec, device):
+        return None
+    cls, _ = load_backend_class(name)
+    if cls is None or (block_size is not None and block_size not in cls.supported_block_sizes):
+        return None
+    logger.info("hf_accel: attention autotune: %s (remembered in %s)", name, cache_file)
+    return cls, {"chosen": name, "static_choice": record.get("static_choice"), "seconds": 0.0, "cached": True,
+                 "timings": record.get("timings", {})}
 
 
 def restore(model):

@@ -113,6 +113,63 @@ def test_backend_modules_import_without_libraries(no_libs):
         assert variant in reasons["flash_attn"]
 
 
+# ---- the import-free probe (what a remembered autotune answer is keyed by) -------------------------------------------
+
+
+def _on_disk(tmp_path, monkeypatch, files: dict[str, str]) -> None:
+    """Packages written under tmp_path and put on sys.path, with any cached copies of their names dropped."""
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flashinfer", "flash_attn", "flash_attn.cute", "flash_attn_interface"):
+        monkeypatch.setitem(sys.modules, name, None)  # records the entry, so what the test imports is dropped after
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_module_present_never_imports(tmp_path, monkeypatch):
+    boom = "raise RuntimeError('imported')\n"
+    _on_disk(tmp_path, monkeypatch, {"flashinfer/__init__.py": boom, "flash_attn/cute/__init__.py": boom})
+    assert registry.module_present("flashinfer")
+    assert registry.module_present("flash_attn.cute")
+    assert not registry.module_present("flash_attn")  # only a namespace (flash-attn-4 alone): not FA2
+    assert not registry.module_present("flash_attn_interface")
+    assert not registry.module_present("flashinfer.nope")
+    assert "flashinfer" not in sys.modules and "flash_attn.cute" not in sys.modules
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # None in sys.modules: absent
+    assert not registry.module_present("flash_attn_interface")
+
+
+def test_probe_sees_installed_libraries_without_importing_them(tmp_path, monkeypatch):
+    """A present-but-broken library passes the probe (no import) and fails the full check (the import)."""
+    boom = "raise RuntimeError('broken install')\n"
+    _on_disk(tmp_path, monkeypatch, {"flashinfer/__init__.py": boom, "flash_attn/cute/__init__.py": boom})
+    fake_cuda(monkeypatch)
+    assert FlashInferBackend.probe_reasons(SPEC, CUDA) == []
+    assert FlashAttnBackend.probe_reasons(SPEC, CUDA) == []
+    assert {"flashinfer", "flash_attn"} <= set(registry.probable_auto_names(SPEC, CUDA))
+    assert "flashinfer" not in sys.modules and "flash_attn.cute" not in sys.modules
+    assert "broken install" in "; ".join(FlashInferBackend.unavailable_reasons(SPEC, CUDA))
+    assert "broken install" in "; ".join(FlashAttnBackend.unavailable_reasons(SPEC, CUDA))
+    assert [c.name for c in registry.auto_candidates(SPEC, CUDA)][:1] != ["flashinfer"]
+
+
+def test_probe_keeps_the_class_limits(tmp_path, monkeypatch, no_libs):
+    fake_cuda(monkeypatch, capability=(7, 5))
+    assert "not installed" in "; ".join(FlashInferBackend.probe_reasons(SPEC, CUDA))
+    assert "no flash-attn variant" in "; ".join(FlashAttnBackend.probe_reasons(SPEC, CUDA))
+    fake_flashinfer(monkeypatch)
+    fake_fa4(monkeypatch)
+    assert "sm80+" in "; ".join(FlashInferBackend.probe_reasons(SPEC, CUDA))  # Turing: too old for either
+    assert "no flash-attn variant" in "; ".join(FlashAttnBackend.probe_reasons(SPEC, CUDA))
+    odd = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=80, dtype=torch.bfloat16)
+    fake_cuda(monkeypatch, capability=(9, 0))
+    assert "head_dim 80" in "; ".join(FlashInferBackend.probe_reasons(odd, CUDA))
+    assert FlashAttnBackend.probe_reasons(odd, CUDA) == []  # FA4 takes head dim 80 on Hopper
+    assert registry.probable_auto_names(SPEC, CPU) == ["torch"]
+
+
 # ---- flashinfer --------------------------------------------------------------------------------------------------
 
 
@@ -628,6 +685,7 @@ def test_autotune_times_candidates_and_drops_failures():
     for cls in candidates[:-1]:
         entry = timings[cls.name]
         assert "error" in entry or entry["decode_ms"] > 0 and entry["prefill_ms"] > 0
+        assert "error" in entry or entry["seconds"] >= entry["first_call_s"] > 0
     assert "score" in timings[chosen.name]
 
 
@@ -645,8 +703,21 @@ def _fake_choice(monkeypatch, outcome):
     from hf_accel.attention.triton_backend import TritonAttentionBackend
 
     calls = {}
-    monkeypatch.setattr(api, "select_backend", lambda name, spec, device: FlashInferBackend)
-    monkeypatch.setattr(api, "auto_candidates", lambda spec, device: [FlashInferBackend, TritonAttentionBackend])
+    full_checks = []  # every check that imports the optional libraries
+
+    def select_backend(name, spec, device):
+        full_checks.append("select_backend")
+        return FlashInferBackend
+
+    def auto_candidates(spec, device):
+        full_checks.append("auto_candidates")
+        return [FlashInferBackend, TritonAttentionBackend]
+
+    monkeypatch.setattr(api, "select_backend", select_backend)
+    monkeypatch.setattr(api, "auto_candidates", auto_candidates)
+    # the import-free probe and the winner's own check, as on a GPU with flashinfer installed
+    monkeypatch.setattr(api, "probable_auto_names", lambda spec, device: ["flashinfer", "triton"])
+    monkeypatch.setattr(api, "backend_reasons", lambda name, spec, device: [])
 
     def fake_autotune(candidates, spec, device, block_size_hint, **kw):
         calls.update(kw, candidates=[c.name for c in candidates])
@@ -655,13 +726,13 @@ def _fake_choice(monkeypatch, outcome):
         return TritonAttentionBackend, {"flashinfer": {"score": 2.0}, "triton": {"score": 1.0}}
 
     monkeypatch.setattr(api, "autotune_backends", fake_autotune)
-    return api, calls
+    return api, calls, full_checks
 
 
 def test_auto_on_cuda_keeps_the_autotuned_backend_and_remembers_it(monkeypatch, tmp_path):
     from hf_accel.config import AccelConfig
 
-    api, calls = _fake_choice(monkeypatch, None)
+    api, calls, full_checks = _fake_choice(monkeypatch, None)
     cfg = AccelConfig(max_num_seqs=8, compile_cache_dir=str(tmp_path), cudagraph_mode="full_and_piecewise")
     cls, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)
     assert calls["decode_in_graph"] is True  # decode timed the way full graphs run it
@@ -672,10 +743,16 @@ def test_auto_on_cuda_keeps_the_autotuned_backend_and_remembers_it(monkeypatch, 
     assert calls["candidates"] == ["flashinfer", "triton"]
     assert len(list((tmp_path / "autotune").glob("*.json"))) == 1
 
-    calls.clear()  # a second start: the remembered choice, no timing
+    full_checks.clear()
+    calls.clear()  # a second start: the remembered choice, no timing, and no full check of the other candidates
     cls, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)
-    assert cls.name == "triton" and info["cached"] is True and not calls
-    assert info["timings"]["triton"]["score"] == 1.0
+    assert cls.name == "triton" and info["cached"] is True and not calls and not full_checks
+    assert info["timings"]["triton"]["score"] == 1.0 and info["static_choice"] == "flashinfer"
+
+    monkeypatch.setattr(api, "backend_reasons", lambda name, spec, device: ["triton broke"])  # winner gone: re-time
+    cls, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)
+    assert info["cached"] is False and "num_decode_seqs" in calls
+    monkeypatch.setattr(api, "backend_reasons", lambda name, spec, device: [])
 
     other = AccelConfig(max_num_seqs=16, compile_cache_dir=str(tmp_path))  # another shape: timed again
     api._choose_backend(_FakeModel(), other, SPEC, CUDA)
@@ -700,7 +777,7 @@ def test_auto_on_cuda_keeps_the_autotuned_backend_and_remembers_it(monkeypatch, 
 def test_autotune_failure_keeps_the_static_choice(monkeypatch):
     from hf_accel.config import AccelConfig
 
-    api, _ = _fake_choice(monkeypatch, RuntimeError("no candidate could run"))
+    api, _, _ = _fake_choice(monkeypatch, RuntimeError("no candidate could run"))
     cls, info = api._choose_backend(_FakeModel(), AccelConfig(compile_cache_dir=""), SPEC, CUDA)
     assert cls is FlashInferBackend and "no candidate" in info["error"]
 
@@ -709,7 +786,7 @@ def test_autotune_failure_keeps_the_static_choice(monkeypatch):
 def test_named_backend_or_autotune_off_is_not_timed(monkeypatch, cfg_kw):
     from hf_accel.config import AccelConfig
 
-    api, calls = _fake_choice(monkeypatch, AssertionError("must not be called"))
+    api, calls, _ = _fake_choice(monkeypatch, AssertionError("must not be called"))
     cls, info = api._choose_backend(_FakeModel(), AccelConfig(compile_cache_dir="", **cfg_kw), SPEC, CUDA)
     assert cls is FlashInferBackend and info is None and not calls
     cls, info = api._choose_backend(_FakeModel(), AccelConfig(), SPEC, CPU)  # off CUDA: never timed

@@ -97,8 +97,9 @@ def _capture(fn, device: torch.device) -> torch.cuda.CUDAGraph | None:
 
 
 def _time_shape(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetadata, caches: tuple, *,
-                num_layers: int, budget_s: float, graph: bool) -> float:
-    """Milliseconds of one step of this shape: host prepare() plus the GPU time of num_layers forwards.
+                num_layers: int, budget_s: float, graph: bool) -> tuple[float, float]:
+    """Milliseconds of one step of this shape (host prepare() plus the GPU time of num_layers forwards), and the
+    seconds the first, untimed step took (where a library JIT-compiles its kernels).
 
     With `graph`, the forwards are timed as one CUDA-graph replay, as the engine runs them (otherwise a small
     decode step would measure Python launch overhead, not the kernels); prepare() runs on the host before every
@@ -115,8 +116,11 @@ def _time_shape(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetada
         for _ in range(num_layers):
             backend.forward(query, caches[0], caches[1], meta, output, scale, 0, softcap)
 
+    t_first = time.perf_counter()
     backend.prepare(meta)
     layers()  # may compile or plan; raises for a candidate that cannot run this shape
+    torch.cuda.synchronize(device)
+    first_call_s = time.perf_counter() - t_first
     prepare_s = []
     for _ in range(WARMUP_CALLS + MIN_SAMPLES):
         torch.cuda.synchronize(device)
@@ -137,7 +141,7 @@ def _time_shape(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetada
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end))
-    return statistics.median(samples) + 1e3 * statistics.median(prepare_s)
+    return statistics.median(samples) + 1e3 * statistics.median(prepare_s), first_call_s
 
 
 def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: torch.device,
@@ -160,11 +164,12 @@ def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: to
     graph_decode = decode_in_graph and backend.cudagraph_support != CUDAGraphSupport.NEVER
     if graph_decode and hasattr(backend, "set_cudagraph_batch_sizes"):
         backend.set_cudagraph_batch_sizes([len(decode_seqs)])
-    decode_ms = _time_shape(backend, spec, decode_meta, caches, num_layers=num_layers, budget_s=budget_s / 2,
-                            graph=graph_decode)
-    prefill_ms = _time_shape(backend, spec, prefill_meta, caches, num_layers=num_layers, budget_s=budget_s / 2,
-                             graph=False)
-    return {"decode_ms": decode_ms, "prefill_ms": prefill_ms, "block_size": float(block_size)}
+    decode_ms, decode_first_s = _time_shape(backend, spec, decode_meta, caches, num_layers=num_layers,
+                                            budget_s=budget_s / 2, graph=graph_decode)
+    prefill_ms, prefill_first_s = _time_shape(backend, spec, prefill_meta, caches, num_layers=num_layers,
+                                              budget_s=budget_s / 2, graph=False)
+    return {"decode_ms": decode_ms, "prefill_ms": prefill_ms, "block_size": float(block_size),
+            "first_call_s": decode_first_s + prefill_first_s}
 
 
 def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionSpec, device: torch.device,
@@ -179,8 +184,10 @@ def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionS
     returned untimed. Each candidate runs at `block_size_hint` if it supports it, else at its own preferred block
     size (the one the engine would give it). `decode_in_graph`: time decode as a CUDA-graph replay (the engine's
     full graphs) or eagerly (graph modes without full graphs).
-    Timings per backend name: {"decode_ms", "prefill_ms", "score"} (score = decode_weight * decode + prefill), or
-    {"error": "..."} for a candidate that cannot run here or raised on its first call (it is dropped).
+    Timings per backend name: {"decode_ms", "prefill_ms", "score"} (score = decode_weight * decode + prefill), with
+    "first_call_s" (the untimed first steps, where libraries JIT-compile) and "seconds" (the candidate's whole
+    share of autotuning), or {"error": "..."} for a candidate that cannot run here or raised on its first call
+    (it is dropped).
     `num_layers` forwards per prepare() weigh the per-step planning cost as a real model would.
     """
     if not candidates:
@@ -202,6 +209,7 @@ def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionS
             if reasons:
                 timings[cls.name] = {"error": "; ".join(reasons)}
                 continue
+            t0 = time.perf_counter()
             try:
                 result = _time_candidate(cls, spec, device, block_size_hint, decode_seqs, prefill_seqs,
                                          num_layers=num_layers, budget_s=per_candidate_s,
@@ -211,6 +219,7 @@ def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionS
                 timings[cls.name] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue
             result["score"] = decode_weight * result["decode_ms"] + result["prefill_ms"]
+            result["seconds"] = time.perf_counter() - t0  # all of it: construction, first calls, timing
             timings[cls.name] = dict(result)
     torch.cuda.empty_cache()  # the synthetic caches and workspaces go back before the engine sizes its KV cache
 
@@ -223,11 +232,12 @@ def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionS
 
 # ---- the choice, remembered per GPU / model shape / library versions ------------------------------------------------
 def autotune_cache_file(cache_dir: str | None, spec: AttentionSpec, device: torch.device,
-                        candidates: list[type[AttentionBackend]], **shape: Any) -> Path | None:
+                        candidates: list[str], **shape: Any) -> Path | None:
     """Where this exact tuning problem's answer is kept (None: caching disabled by cache_dir="").
 
-    The key holds everything the timings depend on: GPU, attention shape, layer count, the candidates, the
-    versions of torch/triton/flashinfer/flash-attn and hf_accel's own sources (a kernel change re-times).
+    The key holds everything the timings depend on: GPU, attention shape, layer count, the candidate names (as
+    `registry.probable_auto_names` finds them, without imports), the versions of torch/triton/flashinfer/flash-attn
+    and hf_accel's own sources (a kernel change re-times).
     """
     if cache_dir is not None and str(cache_dir) == "":
         return None
@@ -238,7 +248,7 @@ def autotune_cache_file(cache_dir: str | None, spec: AttentionSpec, device: torc
     except Exception:
         gpu = "unknown"
     payload = {
-        "gpu": gpu, "spec": repr(spec), "candidates": [c.name for c in candidates],
+        "gpu": gpu, "spec": repr(spec), "candidates": list(candidates),
         "shape": {k: str(v) for k, v in sorted(shape.items())},
         "versions": {name: _package_version(name) for name in ("torch", "triton", "flashinfer-python", "flash-attn",
                                                                 "flash-attn-4")},
@@ -250,29 +260,30 @@ def autotune_cache_file(cache_dir: str | None, spec: AttentionSpec, device: torc
     return base / "autotune" / f"{key}.json"
 
 
-def load_cached_choice(path: Path | None, candidates: list[type[AttentionBackend]],
-                       ) -> tuple[type[AttentionBackend], dict[str, Any]] | None:
-    """The remembered winner and its timings, if `path` holds one naming a current candidate."""
+def load_cached_choice(path: Path | None) -> tuple[str, dict[str, Any]] | None:
+    """The remembered winner's name and its record (timings, static choice), if `path` holds a readable one."""
     if path is None:
         return None
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):  # missing, unreadable or torn: time again
         return None
-    if not isinstance(record, dict) or not isinstance(record.get("timings", {}), dict):
+    if not isinstance(record, dict) or not isinstance(record.get("chosen"), str):
         return None
-    by_name = {c.name: c for c in candidates}
-    chosen = by_name.get(record.get("chosen"))
-    return (chosen, record.get("timings", {})) if chosen is not None else None
+    if not isinstance(record.get("timings", {}), dict):
+        return None
+    return record["chosen"], record
 
 
-def store_choice(path: Path | None, chosen: type[AttentionBackend], timings: dict[str, Any]) -> None:
+def store_choice(path: Path | None, chosen: type[AttentionBackend], timings: dict[str, Any],
+                 static_choice: str | None = None) -> None:
     if path is None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"chosen": chosen.name, "timings": timings}, indent=1, default=str))
+        record = {"chosen": chosen.name, "static_choice": static_choice, "timings": timings}
+        tmp.write_text(json.dumps(record, indent=1, default=str))
         os.replace(tmp, path)  # readers never see half a file
     except OSError as exc:  # a read-only home is not a reason to fail accelerate_model
         logger.debug("attention autotune: cannot write %s: %s", path, exc)

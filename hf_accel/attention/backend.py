@@ -63,6 +63,12 @@ class AttentionBackend:
                 reasons.append("model uses sliding-window attention, which this backend does not support")
         return reasons
 
+    @classmethod
+    def probe_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
+        """`unavailable_reasons` without importing an optional library (a backend whose check imports one overrides
+        this with a cheaper look: library present on disk). Used to key a remembered autotune answer."""
+        return cls.unavailable_reasons(spec, device)
+
     def __init__(self, spec: AttentionSpec, device: torch.device, block_size: int, max_num_seqs: int,
                  max_num_tokens: int, max_blocks_per_seq: int) -> None:
         self.spec = spec

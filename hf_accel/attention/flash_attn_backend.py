@@ -33,7 +33,7 @@ import torch
 
 from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport
 from hf_accel.attention.metadata import StepMetadata, cumsum0
-from hf_accel.attention.registry import cuda_capability
+from hf_accel.attention.registry import cuda_capability, module_present
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,22 @@ class FlashAttnBackend(AttentionBackend, metaclass=_VariantAwareMeta):
             reason = variant.head_dim_reason(spec.head_dim, capability[0] if capability else None)
             if reason:
                 reasons.append(f"{variant.name}: {reason}")
+        return reasons
+
+    @classmethod
+    def probe_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
+        """Without importing flash_attn: some variant's module is present and has a paged path on this GPU, and
+        it takes this head dim (keyword checks wait for the import, in `unavailable_reasons`)."""
+        reasons = AttentionBackend.unavailable_reasons.__func__(cls, spec, device)
+        capability = cuda_capability(device) if device.type == "cuda" else None
+        present = [v for v in VARIANTS if module_present(v.module)
+                   and (capability is None or capability[0] in v.gpu_majors)]
+        if not present:
+            reasons.append("no flash-attn variant installed for this GPU")
+        elif spec is not None:
+            reason = present[0].head_dim_reason(spec.head_dim, capability[0] if capability else None)
+            if reason:
+                reasons.append(f"{present[0].name}: {reason}")
         return reasons
 
     def __init__(self, spec: AttentionSpec, device: torch.device, block_size: int, max_num_seqs: int,

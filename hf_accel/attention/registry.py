@@ -10,11 +10,17 @@ The "auto" rule (`select_backend("auto", ...)`, the static choice):
 - on any other device, torch (the only backend that runs off CUDA).
 `auto_candidates()` returns every backend that can run, in that order; `hf_accel.attention.autotune` can then time
 them on the real shapes of the model and pick the fastest.
+
+Importing flashinfer or flash_attn.cute costs seconds. `probable_auto_names()` answers "which backends would auto
+consider" without importing them (module present on disk, GPU and shape limits): that is what a remembered autotune
+answer is keyed by, so a warm start imports only the library of the backend it runs.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import sys
 
 import torch
 
@@ -43,6 +49,34 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     except Exception:
         return None
     return int(major), int(minor)
+
+
+def module_present(name: str) -> bool:
+    """Whether `import name` would find a module with code of its own, judged without importing it or, for a dotted
+    name, its packages. A module already in `sys.modules` counts as present (None there, as tests set it, as absent);
+    a bare namespace package as absent."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    path = None
+    parts = name.split(".")
+    for i in range(len(parts)):
+        fullname = ".".join(parts[: i + 1])
+        if fullname in sys.modules:
+            module = sys.modules[fullname]
+            if module is None:
+                return False
+            path = getattr(module, "__path__", None)
+        else:
+            try:
+                spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            except (ImportError, ValueError):
+                return False
+            if spec is None or (i == len(parts) - 1 and spec.origin in (None, "namespace")):
+                return False  # absent, or only a namespace (flash-attn-4 installs flash_attn/cute/ alone)
+            path = spec.submodule_search_locations
+        if path is None and i < len(parts) - 1:
+            return False  # a plain module where a package was needed
+    return True
 
 
 def load_backend_class(name: str) -> tuple[type[AttentionBackend] | None, str | None]:
@@ -84,6 +118,20 @@ def auto_candidates(spec: AttentionSpec, device: torch.device) -> list[type[Atte
             assert cls is not None
             candidates.append(cls)
     return candidates
+
+
+def probable_auto_names(spec: AttentionSpec, device: torch.device) -> list[str]:
+    """The backends "auto" would consider, in preference order, judged without importing optional libraries.
+
+    Each backend's `probe_reasons()` checks what it can without an import (library present on disk, GPU, head dim,
+    dtype). A library that is present but fails to import is caught later, by the full check."""
+    order = AUTO_PREFERENCE_CUDA if device.type == "cuda" else AUTO_PREFERENCE_OTHER
+    names = []
+    for name in order:
+        cls, _ = load_backend_class(name)
+        if cls is not None and not cls.probe_reasons(spec, device):
+            names.append(name)
+    return names
 
 
 def select_backend(name: str, spec: AttentionSpec, device: torch.device) -> type[AttentionBackend]:
