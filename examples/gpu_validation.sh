@@ -8,6 +8,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 P="-q -p no:cacheprovider -rs --durations=5"
+XDIST=""; python3 -c "import xdist" 2>/dev/null && XDIST="-n 6"  # pytest-xdist, where the machine has it
 case "${1:-tests}" in
   tests)  # every GPU test, then the torch backend's W1/W2 (the yardstick: too slow for the bench round)
     (export CUDA_VISIBLE_DEVICES=0
@@ -17,7 +18,7 @@ case "${1:-tests}" in
     (export CUDA_VISIBLE_DEVICES=1
      # six workers: FlashInfer's JIT of each head dim and soft-cap / window variant (about 75 s each on a fresh
      # machine) then builds side by side instead of one after another
-     timeout 430 python3 -m pytest -m gpu $P -rA -n 6 tests/test_backend_selection.py >"$OUT/selection.log" 2>&1
+     timeout 430 python3 -m pytest -m gpu $P -rA $XDIST tests/test_backend_selection.py >"$OUT/selection.log" 2>&1
      timeout 140 hf-accel bench --workload w1,w2 --shape qwen3-0.6b --anchors none --attention-backend torch \
        --no-progress --json "$OUT/backend-torch.json" >"$OUT/backend-torch.log" 2>&1) &
     wait; tail -3 "$OUT/ab.log" "$OUT/rest.log"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/selection.log" \
@@ -60,6 +61,6 @@ case "${1:-tests}" in
     tail -22 "$OUT/llama.log"; for b in flashinfer flash_attn; do grep -E "hf_accel|guard" "$OUT/backend-$b.log"; done ;;
   selection)  # backend-selection parity alone: on a fresh machine FlashInfer JIT-compiles each head dim and each
     # soft-cap / window variant (about 75 s each); six workers build them side by side
-    timeout 590 python3 -m pytest -m gpu $P -rA -n 6 tests/test_backend_selection.py >"$OUT/selection.log" 2>&1
+    timeout 590 python3 -m pytest -m gpu $P -rA $XDIST tests/test_backend_selection.py >"$OUT/selection.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/selection.log" | tail -30 ;;
 esac

@@ -288,6 +288,7 @@ def engine_info(model) -> dict[str, Any]:
     eng = state.engine
     return {
         "attention_backend": state.backend_name,
+        "attention_backend_declaration": type(eng.backend).declaration(),
         "cudagraph_mode": state.extra_info.get("effective_cudagraph_mode", "none"),
         "compile": bool(state.config.compile), "block_size": eng.block_size, "num_kv_blocks": eng.num_kv_blocks,
         "kv_cache_bytes": eng.kv_cache_bytes, "graph_pool_bytes": state.extra_info.get("graph_pool_bytes", 0),

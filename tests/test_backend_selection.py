@@ -3,6 +3,7 @@ flash-attn backends against the torch reference (bf16; `pytest -m gpu`, skipped 
 
 from __future__ import annotations
 
+import enum
 import itertools
 import sys
 import types
@@ -791,3 +792,52 @@ def test_named_backend_or_autotune_off_is_not_timed(monkeypatch, cfg_kw):
     assert cls is FlashInferBackend and info is None and not calls
     cls, info = api._choose_backend(_FakeModel(), AccelConfig(), SPEC, CPU)  # off CUDA: never timed
     assert info is None
+
+
+# ---- declarations ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", registry.BACKEND_NAMES)
+def test_every_backend_declares_what_it_runs(name, no_libs):
+    cls, err = registry.load_backend_class(name)
+    assert cls is not None, err
+    decl = cls.declaration()
+    assert decl["kv_layout"] == "NHD" and decl["block_sizes"] and decl["dtypes"]
+    assert decl["cudagraph_support"] in ("NEVER", "UNIFORM_DECODE", "ALWAYS")
+    assert {"head_dims", "requires_cuda", "min_compute_capability", "softcap", "sliding_window"} <= set(decl)
+    expected = {"torch": None, "triton": None, "flashinfer": "sm80", "flash_attn": "sm80"}[name]
+    assert decl["min_compute_capability"] == expected
+
+
+def test_min_compute_capability_is_a_reason_for_any_backend(monkeypatch):
+    class PickyBackend(TorchAttentionBackend):
+        name = "picky"
+        min_compute_capability = (9, 0)
+
+    fake_cuda(monkeypatch, capability=(8, 6))
+    assert PickyBackend.unavailable_reasons(SPEC, CUDA) == ["picky needs an sm90+ GPU (this one is sm86)"]
+    assert PickyBackend.unavailable_reasons(SPEC, CPU) == []  # a CPU run has no capability to check
+    fake_cuda(monkeypatch, capability=(9, 0))
+    assert PickyBackend.unavailable_reasons(SPEC, CUDA) == []
+
+
+def test_engine_refuses_a_kv_layout_it_does_not_allocate():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_accel.attention.backend import KVLayout
+    from hf_accel.config import AccelConfig
+    from hf_accel.engine.engine import LLMEngine
+
+    class OtherLayout(str, enum.Enum):
+        HND = "HND"
+
+    class HNDBackend(TorchAttentionBackend):
+        name = "hnd"
+        kv_layout = OtherLayout.HND  # type: ignore[assignment]
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    cfg = AccelConfig(num_kv_blocks=8, max_num_seqs=2, max_num_batched_tokens=64, compile_cache_dir="").resolve_for(CPU)
+    with pytest.raises(NotImplementedError, match="reads a HND KV cache"):
+        LLMEngine(model, cfg, HNDBackend, spec)
+    assert TorchAttentionBackend.kv_layout is KVLayout.NHD

@@ -2,18 +2,36 @@
 
 Split the vLLM way: `prepare()` runs once per step on the metadata (the "metadata builder"), `forward()` runs once
 per layer inside the opaque attention op (the "implementation"). Every backend reads and writes the same paged KV
-layout (see metadata.py), so the engine's block size is the only thing that follows the backend.
+layout (`KVLayout.NHD`, see metadata.py), so the engine's block size is the only thing that follows the backend.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from hf_accel.attention.metadata import StepMetadata
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, or None when it cannot be queried (no GPU, CPU-only torch)."""
+    if device.type != "cuda":
+        return None
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+    except Exception:
+        return None
+    return int(major), int(minor)
+
+
+class KVLayout(str, enum.Enum):
+    """How a backend reads the paged KV cache. The engine allocates this one layout; a backend declaring another
+    is refused at engine construction."""
+
+    NHD = "NHD"  # K and V apart, each [num_blocks, block_size, num_kv_heads, head_dim], found through a block table
 
 
 class CUDAGraphSupport(enum.IntEnum):
@@ -44,6 +62,8 @@ class AttentionBackend:
     supports_softcap: ClassVar[bool] = True
     supports_sliding_window: ClassVar[bool] = True
     requires_cuda: ClassVar[bool] = False
+    min_compute_capability: ClassVar[tuple[int, int] | None] = None  # oldest CUDA GPU it runs on (None: any)
+    kv_layout: ClassVar[KVLayout] = KVLayout.NHD
     cudagraph_support: ClassVar[CUDAGraphSupport] = CUDAGraphSupport.NEVER
 
     @classmethod
@@ -52,6 +72,14 @@ class AttentionBackend:
         reasons = []
         if cls.requires_cuda and device.type != "cuda":
             reasons.append(f"{cls.name} needs a CUDA GPU (device is {device.type})")
+        if device.type == "cuda" and cls.min_compute_capability is not None:
+            capability = cuda_capability(device)
+            oldest = cls.min_compute_capability
+            if capability is None:
+                reasons.append("cannot query the GPU's compute capability")
+            elif capability < oldest:
+                reasons.append(f"{cls.name} needs an sm{oldest[0]}{oldest[1]}+ GPU "
+                               f"(this one is sm{capability[0]}{capability[1]})")
         if spec is not None:
             if cls.supported_head_dims is not None and spec.head_dim not in cls.supported_head_dims:
                 reasons.append(f"head_dim {spec.head_dim} not in supported {cls.supported_head_dims}")
@@ -62,6 +90,20 @@ class AttentionBackend:
             if spec.uses_sliding_window and not cls.supports_sliding_window:
                 reasons.append("model uses sliding-window attention, which this backend does not support")
         return reasons
+
+    @classmethod
+    def declaration(cls) -> dict[str, Any]:
+        """What this backend declares it can run (the inputs of `unavailable_reasons`), for logs and reports."""
+        return {
+            "kv_layout": cls.kv_layout.value, "block_sizes": list(cls.supported_block_sizes),
+            "head_dims": None if cls.supported_head_dims is None else list(cls.supported_head_dims),
+            "dtypes": [str(d).removeprefix("torch.") for d in cls.supported_dtypes],
+            "requires_cuda": cls.requires_cuda,
+            "min_compute_capability": None if cls.min_compute_capability is None
+            else "sm{}{}".format(*cls.min_compute_capability),
+            "softcap": cls.supports_softcap, "sliding_window": cls.supports_sliding_window,
+            "cudagraph_support": cls.cudagraph_support.name,
+        }
 
     @classmethod
     def probe_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:

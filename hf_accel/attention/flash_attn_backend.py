@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport
+from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport, cuda_capability
 from hf_accel.attention.metadata import StepMetadata, cumsum0
-from hf_accel.attention.registry import cuda_capability, module_present
+from hf_accel.attention.registry import module_present
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,7 @@ class FlashAttnBackend(AttentionBackend, metaclass=_VariantAwareMeta):
     supports_softcap = True
     supports_sliding_window = True
     requires_cuda = True
+    min_compute_capability = (8, 0)  # FA2's floor; FA3 and FA4 need sm90+ (each variant's gpu_majors)
     cudagraph_support = CUDAGraphSupport.UNIFORM_DECODE
 
     # instances read the same value as the class (the metaclass property only serves class access)
@@ -162,8 +163,6 @@ class FlashAttnBackend(AttentionBackend, metaclass=_VariantAwareMeta):
     def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
         reasons = super().unavailable_reasons(spec, device)
         capability = cuda_capability(device) if device.type == "cuda" else None
-        if device.type == "cuda" and capability is None:
-            reasons.append("cannot query the GPU's compute capability")
         variant, notes = detect_variant(capability)
         if variant is None:
             reasons.append("no usable flash-attn variant: " + "; ".join(notes))
@@ -172,6 +171,13 @@ class FlashAttnBackend(AttentionBackend, metaclass=_VariantAwareMeta):
             if reason:
                 reasons.append(f"{variant.name}: {reason}")
         return reasons
+
+    @classmethod
+    def declaration(cls) -> dict[str, Any]:
+        """The base declaration, plus the detected variant (this imports flash_attn) and the GPUs each runs on."""
+        variant = cls.variant()
+        return {**super().declaration(), "variant": variant.name if variant else None,
+                "variant_gpus": {v.name: [f"sm{m}x" for m in v.gpu_majors] for v in VARIANTS}}
 
     @classmethod
     def probe_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:

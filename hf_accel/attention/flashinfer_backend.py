@@ -36,7 +36,7 @@ import torch
 
 from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport
 from hf_accel.attention.metadata import StepMetadata, cumsum0
-from hf_accel.attention.registry import cuda_capability, module_present
+from hf_accel.attention.registry import module_present
 
 MIN_VERSION = (0, 6, 12)
 FLOAT_WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial results; FlashInfer recommends >= 128 MiB
@@ -89,6 +89,7 @@ class FlashInferBackend(AttentionBackend):
     supports_softcap = True
     supports_sliding_window = True
     requires_cuda = True
+    min_compute_capability = (8, 0)
     cudagraph_support = CUDAGraphSupport.UNIFORM_DECODE
 
     @classmethod
@@ -97,25 +98,14 @@ class FlashInferBackend(AttentionBackend):
         _, err = import_flashinfer()
         if err:
             reasons.append(err)
-        return reasons + cls._gpu_reasons(device)
+        return reasons
 
     @classmethod
     def probe_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
         reasons = AttentionBackend.unavailable_reasons.__func__(cls, spec, device)
         if not module_present("flashinfer"):
             reasons.append("flashinfer is not installed")
-        return reasons + cls._gpu_reasons(device)
-
-    @classmethod
-    def _gpu_reasons(cls, device: torch.device) -> list[str]:
-        if device.type != "cuda":
-            return []
-        capability = cuda_capability(device)
-        if capability is None:
-            return ["cannot query the GPU's compute capability"]
-        if capability < (8, 0):
-            return [f"flashinfer needs an sm80+ GPU (this one is sm{capability[0]}{capability[1]})"]
-        return []
+        return reasons
 
     def __init__(self, spec: AttentionSpec, device: torch.device, block_size: int, max_num_seqs: int,
                  max_num_tokens: int, max_blocks_per_seq: int) -> None:

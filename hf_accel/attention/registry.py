@@ -40,17 +40,6 @@ AUTO_PREFERENCE_CUDA = ("flashinfer", "flash_attn", "triton", "torch")
 AUTO_PREFERENCE_OTHER = ("torch",)
 
 
-def cuda_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device, or None when it cannot be queried (no GPU, CPU-only torch)."""
-    if device.type != "cuda":
-        return None
-    try:
-        major, minor = torch.cuda.get_device_capability(device)
-    except Exception:
-        return None
-    return int(major), int(minor)
-
-
 def module_present(name: str) -> bool:
     """Whether `import name` would find a module with code of its own, judged without importing it or, for a dotted
     name, its packages. A module already in `sys.modules` counts as present (None there, as tests set it, as absent);

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_accel.attention.backend import AttentionBackend, AttentionSpec
+from hf_accel.attention.backend import AttentionBackend, AttentionSpec, KVLayout
 from hf_accel.config import AccelConfig
 from hf_accel.engine.block_manager import BlockManager
 from hf_accel.engine.kv_cache import allocate_kv_cache, bytes_per_block
@@ -75,6 +75,9 @@ class LLMEngine:
         self.cfg = cfg
         self.device = next(model.parameters()).device
         self.shape = ModelShape.from_config(model.config)
+        if backend_cls.kv_layout is not KVLayout.NHD:
+            raise NotImplementedError(f"the {backend_cls.name} backend reads a {backend_cls.kv_layout.value} KV cache; "
+                                      "the engine allocates NHD caches only (kv_cache.allocate_kv_cache)")
         self.block_size = cfg.block_size or backend_cls.supported_block_sizes[0]
         if self.block_size not in backend_cls.supported_block_sizes:
             raise ValueError(f"block_size {self.block_size} is not supported by the {backend_cls.name} backend "
