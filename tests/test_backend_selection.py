@@ -151,9 +151,23 @@ def test_probe_sees_installed_libraries_without_importing_them(tmp_path, monkeyp
     assert FlashAttnBackend.probe_reasons(SPEC, CUDA) == []
     assert {"flashinfer", "flash_attn"} <= set(registry.probable_auto_names(SPEC, CUDA))
     assert "flashinfer" not in sys.modules and "flash_attn.cute" not in sys.modules
-    assert "broken install" in "; ".join(FlashInferBackend.unavailable_reasons(SPEC, CUDA))
-    assert "broken install" in "; ".join(FlashAttnBackend.unavailable_reasons(SPEC, CUDA))
+    assert "installed but failed to import (RuntimeError: broken install)" in "; ".join(
+        FlashInferBackend.unavailable_reasons(SPEC, CUDA))
+    assert "flash_attn.cute is installed but failed to import (RuntimeError: broken install)" in "; ".join(
+        FlashAttnBackend.unavailable_reasons(SPEC, CUDA))
     assert [c.name for c in registry.auto_candidates(SPEC, CUDA)][:1] != ["flashinfer"]
+
+
+def test_a_missing_dependency_is_not_a_missing_library(tmp_path, monkeypatch):
+    """flashinfer present but one of its own imports absent (as when a CuTe DSL wheel is half installed)."""
+    missing = "import hf_accel_no_such_dependency  # noqa\n"
+    _on_disk(tmp_path, monkeypatch, {"flashinfer/__init__.py": missing, "flash_attn/cute/__init__.py": missing})
+    fake_cuda(monkeypatch)
+    fi = "; ".join(FlashInferBackend.unavailable_reasons(SPEC, CUDA))
+    assert "flashinfer is installed but failed to import" in fi and "hf_accel_no_such_dependency" in fi
+    fa = "; ".join(FlashAttnBackend.unavailable_reasons(SPEC, CUDA))
+    assert "flash_attn.cute is installed but failed to import" in fa
+    assert "flash_attn_interface not installed" in fa and "flash_attn not installed" in fa
 
 
 def test_probe_keeps_the_class_limits(tmp_path, monkeypatch, no_libs):

@@ -79,9 +79,15 @@ def load_variant_function(variant: FlashAttnVariant) -> tuple[Callable[..., Any]
     """The variant's attention function, or None and why it is unusable (absent, or too old for our keywords)."""
     try:
         module = importlib.import_module(variant.module)
-    except Exception as exc:  # ImportError, or a broken install failing while it loads
-        return None, f"{variant.module} not importable ({variant.install_hint}): {exc}"
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (variant.module + ".").startswith(exc.name + "."):  # its own module is absent
+            return None, f"{variant.module} not installed ({variant.install_hint})"
+        return None, f"{variant.module} is installed but failed to import: {exc}"
+    except Exception as exc:  # ImportError or anything else a broken install raises while it loads
+        return None, f"{variant.module} is installed but failed to import ({type(exc).__name__}: {exc})"
     fn = getattr(module, variant.function, None)
+    if fn is None and getattr(module, "__file__", None) is None:  # a bare namespace: flash-attn-4's flash_attn/
+        return None, f"{variant.module} not installed ({variant.install_hint})"
     if fn is None:
         return None, f"{variant.module} has no {variant.function}"
     try:

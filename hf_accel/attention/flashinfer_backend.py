@@ -58,8 +58,12 @@ def import_flashinfer() -> tuple[Any | None, str | None]:
     """The flashinfer module, or None and why it cannot be used."""
     try:
         module = importlib.import_module("flashinfer")
-    except Exception as exc:  # ImportError, or a broken install failing while it loads
-        return None, f"flashinfer is not installed (pip install 'flashinfer-python>=0.6.12'): {exc}"
+    except ModuleNotFoundError as exc:
+        if exc.name != "flashinfer":  # flashinfer is there, one of its own imports is not
+            return None, f"flashinfer is installed but failed to import: {exc}"
+        return None, "flashinfer is not installed (pip install 'flashinfer-python>=0.6.12')"
+    except Exception as exc:  # ImportError or anything else a broken install raises while it loads
+        return None, f"flashinfer is installed but failed to import ({type(exc).__name__}: {exc})"
     version = str(getattr(module, "__version__", "0"))
     if _version_tuple(version) < MIN_VERSION:
         wanted = ".".join(map(str, MIN_VERSION))
