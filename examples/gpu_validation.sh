@@ -21,7 +21,7 @@ case "${1:-tests}" in
      timeout 430 python3 -m pytest -m gpu $P -rA $XDIST tests/test_backend_selection.py >"$OUT/selection.log" 2>&1
      timeout 140 hf-accel bench --workload w1,w2 --shape qwen3-0.6b --anchors none --attention-backend torch \
        --no-progress --json "$OUT/backend-torch.json" >"$OUT/backend-torch.log" 2>&1) &
-    wait; tail -3 "$OUT/ab.log" "$OUT/rest.log"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/selection.log" \
+    wait; tail -n 3 "$OUT/ab.log" "$OUT/rest.log"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/selection.log" \
       | tail -30; grep -E "hf_accel|guard" "$OUT/backend-torch.log" ;;
   bench)  # WORKLOADS.md figures beside every stock anchor, both shapes, and qwen3 per attention backend
     (export CUDA_VISIBLE_DEVICES=0
@@ -37,20 +37,20 @@ case "${1:-tests}" in
        timeout 115 hf-accel bench --workload w1,w2,w3 --shape qwen3-0.6b --anchors none --attention-backend "$b" \
          --no-progress --json "$OUT/backend-$b.json" >"$OUT/backend-$b.log" 2>&1
      done) &
-    wait; tail -25 "$OUT/qwen3.log" "$OUT/llama.log"
+    wait; tail -n 25 "$OUT/qwen3.log" "$OUT/llama.log"
     for b in torch-w3 flashinfer flash_attn; do grep -E "hf_accel|guard" "$OUT/backend-$b.log"; done ;;
   # --- one-GPU lease: the same round in three calls of under 600 s each ---
   tests1)  # every backend x graph mode A/B, compile-off fused path, kernels, compilation, fused ops
     timeout 420 python3 -m pytest -m gpu $P tests/test_gpu_ab.py >"$OUT/ab.log" 2>&1
     timeout 150 python3 -m pytest -m gpu $P --ignore=tests/test_gpu_ab.py --ignore=tests/test_backend_selection.py \
       >"$OUT/rest.log" 2>&1
-    tail -3 "$OUT/ab.log" "$OUT/rest.log" ;;
+    tail -n 3 "$OUT/ab.log" "$OUT/rest.log" ;;
   bench1)  # qwen3-0.6b figures beside every stock anchor, then where a W2 decode step's time goes
     timeout 430 hf-accel bench --workload w1,w2,w3 --shape qwen3-0.6b --anchors eager,static,generate_batch \
       --anchor-repeats 1 --anchor-warmup 0 --no-progress --json "$OUT/qwen3.json" >"$OUT/qwen3.log" 2>&1
     timeout 140 python3 examples/profile_decode.py --shape qwen3-0.6b --batch 64 --new-tokens 64 \
       >"$OUT/profile-w2.log" 2>&1
-    tail -25 "$OUT/qwen3.log"; grep -A3 "^generate:\|--- GPU" "$OUT/profile-w2.log" | head -12 ;;
+    tail -n 25 "$OUT/qwen3.log"; grep -A3 "^generate:\|--- GPU" "$OUT/profile-w2.log" | head -12 ;;
   bench2)  # llama-3.1-8b figures and startup, then qwen3 per attention backend (no anchors)
     timeout 340 hf-accel bench --workload w1,w2,startup --shape llama-3.1-8b --anchors eager,static \
       --anchor-repeats 1 --anchor-warmup 0 --no-progress --json "$OUT/llama.json" >"$OUT/llama.log" 2>&1
@@ -58,9 +58,9 @@ case "${1:-tests}" in
       timeout 115 hf-accel bench --workload w1,w2,w3 --shape qwen3-0.6b --anchors none --attention-backend "$b" \
         --no-progress --json "$OUT/backend-$b.json" >"$OUT/backend-$b.log" 2>&1
     done
-    tail -22 "$OUT/llama.log"; for b in flashinfer flash_attn; do grep -E "hf_accel|guard" "$OUT/backend-$b.log"; done ;;
+    tail -n 22 "$OUT/llama.log"; for b in flashinfer flash_attn; do grep -E "hf_accel|guard" "$OUT/backend-$b.log"; done ;;
   selection)  # backend-selection parity alone: on a fresh machine FlashInfer JIT-compiles each head dim and each
     # soft-cap / window variant (about 75 s each); six workers build them side by side
     timeout 590 python3 -m pytest -m gpu $P -rA $XDIST tests/test_backend_selection.py >"$OUT/selection.log" 2>&1
-    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/selection.log" | tail -30 ;;
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/selection.log" | tail -n 30 ;;
 esac
