@@ -122,7 +122,8 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     cfg = cfg.resolve_for(device)
     spec = _attention_spec(model)
     t_select = time.perf_counter()
-    if cfg.attention_backend != "auto":  # a named backend that cannot run raises here, before anything is undone
+    # a named backend that cannot run, or "auto" with nothing that can, raises here, before anything is undone
+    if cfg.attention_backend != "auto" or not probable_auto_names(spec, device):
         select_backend(cfg.attention_backend, spec, device)
     select_s = time.perf_counter() - t_select
     if hasattr(model, _STATE):
@@ -203,16 +204,20 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
     decode_in_graph = CUDAGraphMode(cfg.cudagraph_mode or "none").has_full
     shape = {"num_decode_seqs": min(32, cfg.max_num_seqs), "num_layers": text.num_hidden_layers,
              "block_size_hint": cfg.block_size, "decode_in_graph": decode_in_graph}
-    cache_file = autotune_cache_file(cfg.compile_cache_dir, spec, device, probable_auto_names(spec, device), **shape)
+    probed = probable_auto_names(spec, device)
+    cache_file = autotune_cache_file(cfg.compile_cache_dir, spec, device, probed, **shape)
     remembered = _remembered_backend(cache_file, spec, device, cfg.block_size)
     if remembered is not None:
         return remembered
     static = select_backend("auto", spec, device)
     candidates = auto_candidates(spec, device)
+    # present on disk but failing the full check (a broken install): re-checked on every remembered start, since
+    # fixing the install changes neither the key nor the library's version
+    unusable = [name for name in probed if name not in {c.name for c in candidates}]
     if cfg.block_size is not None:  # a block size the user fixed must suit the winner
         candidates = [c for c in candidates if cfg.block_size in c.supported_block_sizes] or candidates
     if len(candidates) < 2:
-        return static, None
+        return candidates[0], None
     t0 = time.perf_counter()
     try:
         best, timings = autotune_backends(candidates, spec, device, cfg.block_size,
@@ -224,7 +229,8 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
         return static, {"chosen": static.name, "static_choice": static.name, "error": str(exc),
                         "seconds": time.perf_counter() - t0}
     seconds = time.perf_counter() - t0
-    store_choice(cache_file, best, timings, static_choice=static.name)
+    store_choice(cache_file, best, timings, static_choice=static.name, candidates=[c.name for c in candidates],
+                 unusable=unusable)
     summary = ", ".join(f"{name} " + (f"{t['score']:.3f}" if "score" in t else "failed") for name, t in timings.items())
     logger.info("hf_accel: attention autotune chose %s in %.1f s (score = %s x decode ms + prefill ms: %s)",
                 best.name, seconds, DECODE_WEIGHT, summary)
@@ -241,12 +247,15 @@ def _remembered_backend(cache_file, spec: AttentionSpec, device: torch.device,
     name, record = remembered
     if name not in BACKEND_NAMES or backend_reasons(name, spec, device):
         return None
+    for other in record.get("unusable") or []:  # a backend that could not run then but can now: time again
+        if other in BACKEND_NAMES and not backend_reasons(other, spec, device):
+            return None
     cls, _ = load_backend_class(name)
     if cls is None or (block_size is not None and block_size not in cls.supported_block_sizes):
         return None
     logger.info("hf_accel: attention autotune: %s (remembered in %s)", name, cache_file)
     return cls, {"chosen": name, "static_choice": record.get("static_choice"), "seconds": 0.0, "cached": True,
-                 "timings": record.get("timings", {})}
+                 "candidates": record.get("candidates"), "timings": record.get("timings", {})}
 
 
 def restore(model):

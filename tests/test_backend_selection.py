@@ -170,6 +170,31 @@ def test_a_missing_dependency_is_not_a_missing_library(tmp_path, monkeypatch):
     assert "flash_attn_interface not installed" in fa and "flash_attn not installed" in fa
 
 
+def test_an_imported_namespace_is_still_not_a_module(tmp_path, monkeypatch):
+    _on_disk(tmp_path, monkeypatch, {"flash_attn/cute/__init__.py": "X = 1\n"})
+    import flash_attn.cute  # noqa: F401  (leaves the bare flash_attn namespace in sys.modules)
+
+    assert "flash_attn" in sys.modules
+    assert not registry.module_present("flash_attn") and registry.module_present("flash_attn.cute")
+
+
+def test_module_present_asks_meta_path_finders(monkeypatch):
+    """Editable installs and build-backend finders serve modules the path finder does not see."""
+    import importlib.machinery
+    import importlib.util
+
+    class Finder:
+        @staticmethod
+        def find_spec(fullname, path=None, target=None):
+            if fullname == "hf_accel_meta_only":
+                return importlib.util.spec_from_loader(fullname, loader=None, origin="meta://hf_accel_meta_only")
+            return None
+
+    assert not registry.module_present("hf_accel_meta_only")
+    monkeypatch.setattr(sys, "meta_path", [Finder(), *sys.meta_path])
+    assert registry.module_present("hf_accel_meta_only")
+
+
 def test_probe_keeps_the_class_limits(tmp_path, monkeypatch, no_libs):
     fake_cuda(monkeypatch, capability=(7, 5))
     assert "not installed" in "; ".join(FlashInferBackend.probe_reasons(SPEC, CUDA))
@@ -789,6 +814,51 @@ def test_auto_on_cuda_keeps_the_autotuned_backend_and_remembers_it(monkeypatch, 
     assert calls
 
 
+def test_a_repaired_install_is_timed_again(tmp_path, monkeypatch):
+    """flashinfer on disk but failing to import: not timed, and remembered as unusable; once it imports, the
+    remembered answer (whose key cannot see the repair) is set aside and the candidates are timed again."""
+    import importlib
+
+    from hf_accel import api
+    from hf_accel.attention.triton_backend import TritonAttentionBackend
+    from hf_accel.config import AccelConfig
+
+    init = "import hf_accel_fi_dependency  # noqa\n__version__ = '0.6.12'\n"
+    _on_disk(tmp_path / "site", monkeypatch, {"flashinfer/__init__.py": init})
+    monkeypatch.setitem(sys.modules, "hf_accel_fi_dependency", None)
+    monkeypatch.delitem(sys.modules, "hf_accel_fi_dependency")
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn_interface"):
+        monkeypatch.setitem(sys.modules, name, None)
+    fake_cuda(monkeypatch)
+    timed = []
+
+    def fake_autotune(candidates, spec, device, block_size_hint, **kw):
+        timed.append([c.name for c in candidates])
+        return TritonAttentionBackend, {c.name: {"score": 1.0} for c in candidates}
+
+    monkeypatch.setattr(api, "autotune_backends", fake_autotune)
+    cfg = AccelConfig(max_num_seqs=8, compile_cache_dir=str(tmp_path / "cache"))
+    assert "flashinfer" in registry.probable_auto_names(SPEC, CUDA)
+    _, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)
+    assert "flashinfer" not in timed[-1] and info["cached"] is False
+    _, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)
+    assert info["cached"] is True and len(timed) == 1 and info["candidates"] == timed[0]
+
+    (tmp_path / "site" / "hf_accel_fi_dependency.py").write_text("")  # the install is repaired
+    importlib.invalidate_caches()
+    _, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)
+    assert info["cached"] is False and timed[-1][0] == "flashinfer"
+
+
+def test_a_block_size_only_one_candidate_takes_picks_that_one(monkeypatch):
+    from hf_accel.config import AccelConfig
+
+    api, calls, _ = _fake_choice(monkeypatch, AssertionError("one candidate: nothing to time"))
+    monkeypatch.setattr(api, "auto_candidates", lambda spec, device: [FlashInferBackend, TorchAttentionBackend])
+    cls, info = api._choose_backend(_FakeModel(), AccelConfig(block_size=256, compile_cache_dir=""), SPEC, CUDA)
+    assert cls is TorchAttentionBackend and info is None and "num_decode_seqs" not in calls
+
+
 def test_autotune_failure_keeps_the_static_choice(monkeypatch):
     from hf_accel.config import AccelConfig
 
@@ -855,3 +925,9 @@ def test_engine_refuses_a_kv_layout_it_does_not_allocate():
     with pytest.raises(NotImplementedError, match="reads a HND KV cache"):
         LLMEngine(model, cfg, HNDBackend, spec)
     assert TorchAttentionBackend.kv_layout is KVLayout.NHD
+
+    class PlainStringNHD(TorchAttentionBackend):
+        name = "plain"
+        kv_layout = "NHD"  # type: ignore[assignment]  (a plugin that wrote the plain string)
+
+    assert LLMEngine(model, cfg, PlainStringNHD, spec).block_size == 16

@@ -304,6 +304,24 @@ def test_failed_reaccelerate_keeps_a_working_model(stock_model, expected):
     assert torch.equal(out, expected)
 
 
+def test_auto_with_nothing_runnable_keeps_the_model(stock_model, expected, monkeypatch):
+    """"auto" with no backend able to run (the probe finds none): the error comes before the engine is undone."""
+    from hf_accel import api
+
+    m = accelerate_model(fresh_copy(stock_model))
+
+    def nothing_runs(name, spec, device):
+        raise RuntimeError("no attention backend can run this model here")
+
+    monkeypatch.setattr(api, "probable_auto_names", lambda spec, device: [])
+    monkeypatch.setattr(api, "select_backend", nothing_runs)
+    with pytest.raises(RuntimeError, match="no attention backend"):
+        accelerate_model(m)
+    assert hasattr(m, "_hf_accel_state")
+    monkeypatch.undo()
+    assert torch.equal(m.generate(**_batch(), **GEN), expected)
+
+
 # -- models that cannot be accelerated -------------------------------------------------------------------------------
 def _tiny(cls, config):
     torch.manual_seed(0)

@@ -276,13 +276,17 @@ def load_cached_choice(path: Path | None) -> tuple[str, dict[str, Any]] | None:
 
 
 def store_choice(path: Path | None, chosen: type[AttentionBackend], timings: dict[str, Any],
-                 static_choice: str | None = None) -> None:
+                 static_choice: str | None = None, candidates: list[str] | None = None,
+                 unusable: list[str] | None = None) -> None:
+    """Remember the winner, its timings, the candidates timed and those present but unable to run (re-checked on
+    each remembered start)."""
     if path is None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        record = {"chosen": chosen.name, "static_choice": static_choice, "timings": timings}
+        record = {"chosen": chosen.name, "static_choice": static_choice, "candidates": candidates,
+                  "unusable": unusable or [], "timings": timings}
         tmp.write_text(json.dumps(record, indent=1, default=str))
         os.replace(tmp, path)  # readers never see half a file
     except OSError as exc:  # a read-only home is not a reason to fail accelerate_model

@@ -40,12 +40,34 @@ AUTO_PREFERENCE_CUDA = ("flashinfer", "flash_attn", "triton", "torch")
 AUTO_PREFERENCE_OTHER = ("torch",)
 
 
+def _is_bare_namespace(module) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return spec is not None and spec.origin in (None, "namespace") and spec.submodule_search_locations is not None
+
+
+def _find_spec(fullname: str, path) -> importlib.machinery.ModuleSpec | None:
+    """Ask each meta-path finder (the path finder, editable-install finders, ...) as `import` would, without
+    importing: a finder's find_spec only looks, given the parent package's search path."""
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        try:
+            spec = find_spec(fullname, path)
+        except Exception:  # a finder that cannot answer is no answer
+            continue
+        if spec is not None:
+            return spec
+    return None
+
+
 def module_present(name: str) -> bool:
     """Whether `import name` would find a module with code of its own, judged without importing it or, for a dotted
     name, its packages. A module already in `sys.modules` counts as present (None there, as tests set it, as absent);
-    a bare namespace package as absent."""
+    a bare namespace package, imported or not, as absent (flash-attn-4 installs flash_attn/cute/ under one)."""
     if name in sys.modules:
-        return sys.modules[name] is not None
+        module = sys.modules[name]
+        return module is not None and not _is_bare_namespace(module)
     path = None
     parts = name.split(".")
     for i in range(len(parts)):
@@ -56,12 +78,9 @@ def module_present(name: str) -> bool:
                 return False
             path = getattr(module, "__path__", None)
         else:
-            try:
-                spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            except (ImportError, ValueError):
-                return False
+            spec = _find_spec(fullname, path)
             if spec is None or (i == len(parts) - 1 and spec.origin in (None, "namespace")):
-                return False  # absent, or only a namespace (flash-attn-4 installs flash_attn/cute/ alone)
+                return False
             path = spec.submodule_search_locations
         if path is None and i < len(parts) - 1:
             return False  # a plain module where a package was needed

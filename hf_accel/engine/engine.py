@@ -75,8 +75,9 @@ class LLMEngine:
         self.cfg = cfg
         self.device = next(model.parameters()).device
         self.shape = ModelShape.from_config(model.config)
-        if backend_cls.kv_layout is not KVLayout.NHD:
-            raise NotImplementedError(f"the {backend_cls.name} backend reads a {backend_cls.kv_layout.value} KV cache; "
+        if backend_cls.kv_layout != KVLayout.NHD:
+            layout = getattr(backend_cls.kv_layout, "value", backend_cls.kv_layout)
+            raise NotImplementedError(f"the {backend_cls.name} backend reads a {layout} KV cache; "
                                       "the engine allocates NHD caches only (kv_cache.allocate_kv_cache)")
         self.block_size = cfg.block_size or backend_cls.supported_block_sizes[0]
         if self.block_size not in backend_cls.supported_block_sizes:
