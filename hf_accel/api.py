@@ -121,18 +121,20 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     device = _model_device(model)
     cfg = cfg.resolve_for(device)
     spec = _attention_spec(model)
-    t_select = time.perf_counter()
-    # a named backend that cannot run, or "auto" with nothing that can, raises here, before anything is undone
-    if cfg.attention_backend != "auto" or not probable_auto_names(spec, device):
-        select_backend(cfg.attention_backend, spec, device)
-    select_s = time.perf_counter() - t_select
-    if hasattr(model, _STATE):
-        restore(model)
-    t_select = time.perf_counter()
-    backend_cls, autotune_info = _choose_backend(model, cfg, spec, device)
     # select_s: the checks and the optional libraries they import (every candidate's when autotuning, the winner's
     # alone when its answer is remembered); autotune_s is the timing itself
-    select_s += time.perf_counter() - t_select - (autotune_info or {}).get("seconds", 0.0)
+    t_select = time.perf_counter()
+    probed = probable_auto_names(spec, device) if _autotunes(cfg, device) else []
+    backend_cls, autotune_info = None, None
+    if not probed:  # resolved now: a backend that cannot run (or "auto" with none) raises before anything is undone
+        backend_cls = select_backend(cfg.attention_backend, spec, device)
+    select_s = time.perf_counter() - t_select
+    if hasattr(model, _STATE):
+        restore(model)  # before autotuning: the old engine's KV cache would leave it no memory
+    if backend_cls is None:
+        t_select = time.perf_counter()
+        backend_cls, autotune_info = _choose_backend(model, cfg, spec, device, probed)
+        select_s += time.perf_counter() - t_select - (autotune_info or {}).get("seconds", 0.0)
 
     AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
     original = model.config._attn_implementation
@@ -187,24 +189,30 @@ def _wants_fused_ops(cfg: AccelConfig, device: torch.device) -> bool:
     return device.type == "cuda" and not cfg.compile and not cfg.enforce_eager
 
 
-def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec,
-                    device: torch.device) -> tuple[type, dict[str, Any] | None]:
+def _autotunes(cfg: AccelConfig, device: torch.device) -> bool:
+    """Whether the backend is chosen by timing: "auto" on CUDA with autotune_attention on."""
+    return cfg.attention_backend == "auto" and device.type == "cuda" and cfg.autotune_attention
+
+
+def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec, device: torch.device,
+                    probed: list[str] | None = None) -> tuple[type, dict[str, Any] | None]:
     """The backend class, and for "auto" on CUDA with several candidates the autotune record (chosen, timings).
 
     The static rule (registry.select_backend) names the candidates in preference order; autotuning times them on
     this model's shapes and keeps the fastest; the answer is remembered on disk beside the compile cache (keyed by
     GPU, shape, candidate names, library versions and our sources), so a second start skips the timing, and imports
     only the remembered winner's library (the candidate names come from a probe that imports nothing). If
-    autotuning itself fails, the static choice stands (logged).
+    autotuning itself fails, the static choice stands (logged). `probed`: `probable_auto_names()`, if the caller
+    has it already.
     """
-    if cfg.attention_backend != "auto" or device.type != "cuda" or not cfg.autotune_attention:
+    if not _autotunes(cfg, device):
         return select_backend(cfg.attention_backend, spec, device), None
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     # decode is timed as the engine will run it: replayed from a full CUDA graph only in modes that have them
     decode_in_graph = CUDAGraphMode(cfg.cudagraph_mode or "none").has_full
     shape = {"num_decode_seqs": min(32, cfg.max_num_seqs), "num_layers": text.num_hidden_layers,
              "block_size_hint": cfg.block_size, "decode_in_graph": decode_in_graph}
-    probed = probable_auto_names(spec, device)
+    probed = probable_auto_names(spec, device) if probed is None else probed
     cache_file = autotune_cache_file(cfg.compile_cache_dir, spec, device, probed, **shape)
     remembered = _remembered_backend(cache_file, spec, device, cfg.block_size)
     if remembered is not None:
