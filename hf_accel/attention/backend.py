@@ -68,7 +68,14 @@ class AttentionBackend:
 
     @classmethod
     def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
-        """Why this backend cannot run this model here; empty when it can. Never raises."""
+        """Why this backend cannot run this model here; empty when it can. Never raises. A backend with a library or
+        a GPU check of its own adds those to `declared_reasons`."""
+        return cls.declared_reasons(spec, device)
+
+    @classmethod
+    def declared_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
+        """The reasons that follow from the class declarations alone (device, GPU, head dim, dtype, soft-cap,
+        window): no import, no library call."""
         reasons = []
         if cls.requires_cuda and device.type != "cuda":
             reasons.append(f"{cls.name} needs a CUDA GPU (device is {device.type})")

@@ -129,6 +129,14 @@ def _default_capability() -> tuple[int, int] | None:
     return cuda_capability(torch.device("cuda"))
 
 
+def _head_dim_reasons(variant: FlashAttnVariant, spec: AttentionSpec | None,
+                      capability: tuple[int, int] | None) -> list[str]:
+    if spec is None:
+        return []
+    reason = variant.head_dim_reason(spec.head_dim, capability[0] if capability else None)
+    return [f"{variant.name}: {reason}"] if reason else []
+
+
 class _VariantAwareMeta(type):
     """Makes `FlashAttnBackend.supported_block_sizes` follow the detected variant, looked up on first access."""
 
@@ -171,12 +179,8 @@ class FlashAttnBackend(AttentionBackend, metaclass=_VariantAwareMeta):
         capability = cuda_capability(device) if device.type == "cuda" else None
         variant, notes = detect_variant(capability)
         if variant is None:
-            reasons.append("no usable flash-attn variant: " + "; ".join(notes))
-        elif spec is not None:
-            reason = variant.head_dim_reason(spec.head_dim, capability[0] if capability else None)
-            if reason:
-                reasons.append(f"{variant.name}: {reason}")
-        return reasons
+            return [*reasons, "no usable flash-attn variant: " + "; ".join(notes)]
+        return reasons + _head_dim_reasons(variant, spec, capability)
 
     @classmethod
     def declaration(cls) -> dict[str, Any]:
@@ -189,17 +193,13 @@ class FlashAttnBackend(AttentionBackend, metaclass=_VariantAwareMeta):
     def probe_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
         """Without importing flash_attn: some variant's module is present and has a paged path on this GPU, and
         it takes this head dim (keyword checks wait for the import, in `unavailable_reasons`)."""
-        reasons = AttentionBackend.unavailable_reasons.__func__(cls, spec, device)
+        reasons = cls.declared_reasons(spec, device)
         capability = cuda_capability(device) if device.type == "cuda" else None
         present = [v for v in VARIANTS if module_present(v.module)
                    and (capability is None or capability[0] in v.gpu_majors)]
         if not present:
-            reasons.append("no flash-attn variant installed for this GPU")
-        elif spec is not None:
-            reason = present[0].head_dim_reason(spec.head_dim, capability[0] if capability else None)
-            if reason:
-                reasons.append(f"{present[0].name}: {reason}")
-        return reasons
+            return [*reasons, "no flash-attn variant installed for this GPU"]
+        return reasons + _head_dim_reasons(present[0], spec, capability)
 
     def __init__(self, spec: AttentionSpec, device: torch.device, block_size: int, max_num_seqs: int,
                  max_num_tokens: int, max_blocks_per_seq: int) -> None:

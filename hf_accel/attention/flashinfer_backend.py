@@ -107,7 +107,7 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def probe_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
-        reasons = AttentionBackend.unavailable_reasons.__func__(cls, spec, device)
+        reasons = cls.declared_reasons(spec, device)
         if not module_present("flashinfer"):
             reasons.append("flashinfer is not installed")
         return reasons
