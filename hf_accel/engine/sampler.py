@@ -106,11 +106,11 @@ class Sampler:
             and r.num_generated >= r.sampling.min_new_tokens
             for r in reqs
         )
-        if plain and not any(r.want_scores or r.want_logits for r in reqs):
+        if plain:  # argmax is exact in any dtype: the float32 copy only where scores or logits are kept
+            if any(r.want_scores or r.want_logits for r in reqs):
+                logits = logits.float()
             return logits.argmax(dim=-1), logits
         logits = logits.float()
-        if plain:
-            return logits.argmax(dim=-1), logits
         hooked = [i for i, r in enumerate(reqs) if r.logits_hook is not None]
         fast = [i for i, r in enumerate(reqs) if r.logits_hook is None]
         scores = logits
