@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import threading
 import time
 import types
 import warnings
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 
 from hf_accel.attention.autotune import (
     DECODE_WEIGHT,
@@ -22,7 +23,7 @@ from hf_accel.attention.autotune import (
     store_choice,
 )
 from hf_accel.attention.backend import AttentionSpec
-from hf_accel.attention.op import ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward
+from hf_accel.attention.op import ATTN_IMPLEMENTATION_NAME, register_stock_attention, unregister_stock_attention
 from hf_accel.attention.registry import (
     BACKEND_NAMES,
     auto_candidates,
@@ -55,6 +56,23 @@ class AccelState:
     warned: set[str] = field(default_factory=set)
     packed_linears: PackRecord | None = None
     fused_ops: FusedRecord | None = None
+    # held by every generate()/generate_batch() call for its whole run, and by restore(): calls on one model run one
+    # after another, and restore() waits for the running one. Re-entrant: a streamer or stopping criterion may call
+    # generate() again on the same thread (the engine nests it)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    running_threads: dict[int, int] = field(default_factory=dict)  # thread id -> calls of that thread in progress
+
+
+def base_model_of(model):
+    """The transformers model hf_accel patches: `model` itself, or the base model a PEFT wrapper holds.
+
+    PEFT's `PeftModel.generate()` ends in the base model's `generate()`, and the LoRA layers live inside the base
+    model's modules, so accelerating (and restoring) the base model serves the wrapper too, whichever was first.
+    """
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and hasattr(model, "peft_config"):
+        return get_base()
+    return model
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -109,9 +127,14 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
 
     Keyword arguments override the fields of `config`. Returns the same model object; `restore(model)` undoes it.
     Calling it again on an accelerated model first restores it, then applies the new options; invalid options raise
-    before that, leaving the current acceleration in place.
+    before that, leaving the current acceleration in place. A PEFT model (`PeftModel`) is accelerated through its
+    base model (see `base_model_of`), before or after the adapters were added.
+
+    Outside an engine step the model stays the stock model: a plain forward or backward (training, evaluation) runs
+    the original attention implementation and the model's own modules.
     """
     t0 = time.perf_counter()
+    wrapper, model = model, base_model_of(model)
     _check_supported(model)
     # keyword arguments the caller actually passed win over `config`
     sig = inspect.signature(accelerate_model)
@@ -136,8 +159,8 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
         backend_cls, autotune_info = _choose_backend(model, cfg, spec, device, probed)
         select_s += time.perf_counter() - t_select - (autotune_info or {}).get("seconds", 0.0)
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
     original = model.config._attn_implementation
+    register_stock_attention(model, original)
     model.set_attn_implementation(ATTN_IMPLEMENTATION_NAME)
     packed: PackRecord | None = None
     fused: FusedRecord | None = None
@@ -159,6 +182,7 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
         engine = LLMEngine(model, cfg, backend_cls, spec)
     except BaseException:
         model.set_attn_implementation(original)
+        unregister_stock_attention(model)
         if fused is not None:
             uninstall_fused_ops(fused)
         if packed is not None:
@@ -181,7 +205,7 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     state.startup["total_s"] = time.perf_counter() - t0
     logger.info("hf_accel: accelerated %s with the %s backend in %.1f s", type(model).__name__, backend_cls.name,
                 state.startup["total_s"])
-    return model
+    return wrapper
 
 
 def _wants_fused_ops(cfg: AccelConfig, device: torch.device) -> bool:
@@ -267,14 +291,30 @@ def _remembered_backend(cache_file, spec: AttentionSpec, device: torch.device,
 
 
 def restore(model):
-    """Undo accelerate_model(): stock generate, the original attention implementation, the engine freed."""
-    state: AccelState | None = getattr(model, _STATE, None)
+    """Undo accelerate_model(): stock generate, the original attention implementation, the engine freed.
+
+    Waits for a generate()/generate_batch() call running in another thread to finish first; called from inside a
+    running call (a streamer or stopping criterion of that call) it raises, since the call could not finish.
+    """
+    wrapper, model = model, base_model_of(model)
+    state: AccelState | None = model.__dict__.get(_STATE)
     if state is None:
-        return model
+        return wrapper
+    if state.running_threads.get(threading.get_ident()):
+        raise RuntimeError("restore() was called from inside a running generate() of this model (a streamer, "
+                           "logits processor or stopping criterion); call it after generate() returns")
+    with state.lock:
+        if model.__dict__.get(_STATE) is state:
+            _restore_locked(model, state)
+    return wrapper
+
+
+def _restore_locked(model, state: AccelState) -> None:
     for name in ("generate", "generate_batch"):
         if name in model.__dict__:
             del model.__dict__[name]
     model.set_attn_implementation(state.original_attn_implementation)
+    unregister_stock_attention(model)
     if state.fused_ops is not None:
         uninstall_fused_ops(state.fused_ops)
     if state.packed_linears is not None:
@@ -286,7 +326,6 @@ def restore(model):
     state.engine.kv_caches.clear()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return model
 
 
 def available_backends(model=None) -> dict[str, str | None]:
@@ -294,12 +333,13 @@ def available_backends(model=None) -> dict[str, str | None]:
     if model is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return available_backends_for(None, device)
+    model = base_model_of(model)
     return available_backends_for(_attention_spec(model), _model_device(model))
 
 
 def engine_info(model) -> dict[str, Any]:
     """What accelerate_model set up: backend, graph mode, cache sizes and startup timings."""
-    state: AccelState | None = getattr(model, _STATE, None)
+    state: AccelState | None = base_model_of(model).__dict__.get(_STATE)
     if state is None:
         raise ValueError("model is not accelerated (call accelerate_model first)")
     eng = state.engine
@@ -317,22 +357,34 @@ def engine_info(model) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def _stock_attention(model):
-    """The stock attention implementation for the duration of a stock-path call. Re-entrant: a stock generate() may
-    call generate() again (an assistant that is the model itself), and only the outermost exit switches back."""
-    state: AccelState = getattr(model, _STATE)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(state.original_attn_implementation)
-    fused = state.fused_ops is not None and bool(state.fused_ops.modules)
-    if fused:  # the stock path runs the model's own norms and MLPs too
-        uninstall_fused_ops(state.fused_ops)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-        if fused:
-            state.fused_ops = install_fused_ops(model)
+@contextlib.contextmanager
+def _exclusive_call(model, state: AccelState) -> Iterator[AccelState]:
+    """Hold the model's call lock for one generate()/generate_batch() call and bring the engine up to date.
+
+    On an idle engine (not a nested call) the engine compares the model with what it was built for: weights or
+    adapters that changed drop the cached prefixes; a changed structure with compiled code in place (parameters
+    replaced, PEFT adapters added, switched, disabled or merged) rebuilds the acceleration with the same options,
+    and the call runs on the new engine.
+    """
+    tid = threading.get_ident()
+    with state.lock:
+        state.running_threads[tid] = state.running_threads.get(tid, 0) + 1
+        try:
+            if state.running_threads[tid] == 1 and state.engine.sync_with_model():
+                logger.warning("hf_accel: %s changed since accelerate_model() (parameters replaced or added, or "
+                               "adapters switched, disabled or merged); compiling it again for the new structure",
+                               type(model).__name__)
+                _restore_locked(model, state)
+                accelerate_model(model, config=state.config)
+                new_state: AccelState = model.__dict__[_STATE]
+                with _exclusive_call(model, new_state) as current:
+                    yield current
+                return
+            yield state
+        finally:
+            state.running_threads[tid] -= 1
+            if not state.running_threads[tid]:
+                del state.running_threads[tid]
 
 
 def _warn_stock(state: AccelState, reason: str) -> None:
@@ -346,8 +398,13 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
                           stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None,
                           assistant_model=None, streamer=None, negative_prompt_ids=None,
                           negative_prompt_attention_mask=None, **kwargs):
-    """transformers' generate(), served by the hf_accel engine (stock path, with a warning, for other modes)."""
-    state: AccelState = getattr(self, _STATE)
+    """transformers' generate(), served by the hf_accel engine (stock path, with a warning, for other modes).
+
+    The stock path runs `type(model).generate` on the accelerated model as it is: outside an engine step the
+    attention and the modules are the stock ones, so nothing has to be switched back (and no other thread's engine
+    step sees a switched model).
+    """
+    state: AccelState = self.__dict__[_STATE]
     stock_args = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
                       stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
                       synced_gpus=synced_gpus, assistant_model=assistant_model, streamer=streamer,
@@ -359,6 +416,7 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
     if inputs is not None and input_ids is not None:
         raise ValueError("pass the prompt either as `inputs` or as `input_ids`, not both")
     input_ids = inputs if inputs is not None else input_ids
+    _check_token_dtype(self, input_ids)
     # the same test stock generate() makes, on the raw arguments: no max_length anywhere -> 20 *new* tokens
     has_default_max_length = (kwargs.get("max_length") is None
                               and (generation_config is None or generation_config.max_length is None)
@@ -373,10 +431,19 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
         reason = "generation without input_ids (inputs_embeds or an unconditional start)"
     if reason is not None:
         _warn_stock(state, reason)
-        with _stock_attention(self):
-            return type(self).generate(self, **stock_args)
-    return state.generator.generate(input_ids, gc, model_kwargs, logits_processor, stopping_criteria, streamer,
-                                    tokenizer=tokenizer, has_default_max_length=has_default_max_length)
+        return type(self).generate(self, **stock_args)
+    with _exclusive_call(self, state) as current:
+        return current.generator.generate(input_ids, gc, model_kwargs, logits_processor, stopping_criteria, streamer,
+                                          tokenizer=tokenizer, has_default_max_length=has_default_max_length)
+
+
+def _check_token_dtype(model, input_ids) -> None:
+    """Token ids must be integers (int64 or int32), as the embedding lookup of stock generate() requires: anything
+    else raises the very error stock raises, from the same check, instead of being truncated to integers."""
+    if isinstance(input_ids, torch.Tensor) and input_ids.dtype not in (torch.int64, torch.int32):
+        weight = model.get_input_embeddings().weight
+        torch.nn.functional.embedding(input_ids.reshape(-1)[:1], weight[:1])
+        raise TypeError(f"input_ids must hold integer token ids (int64 or int32), got {input_ids.dtype}")
 
 
 def _num_rows(input_ids) -> int:
@@ -392,8 +459,9 @@ def _accelerated_generate_batch(self, inputs: list[list[int]], generation_config
     `continuous_batching_config`, `persistent_manager` and `warmup` are accepted and ignored: the engine is
     configured by accelerate_model() and already warm.
     """
-    state: AccelState = getattr(self, _STATE)
+    state: AccelState = self.__dict__[_STATE]
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     if kwargs:
         logger.warning("hf_accel generate_batch ignores unsupported keyword arguments %s", sorted(kwargs))
-    return state.generator.generate_batch(inputs, generation_config, progress_bar, max_new_tokens)
+    with _exclusive_call(self, state) as current:
+        return current.generator.generate_batch(inputs, generation_config, progress_bar, max_new_tokens)

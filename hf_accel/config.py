@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+
+logger = logging.getLogger("hf_accel")
 
 
 class CUDAGraphMode(str, enum.Enum):
@@ -55,6 +58,10 @@ class AccelConfig:
     # scheduling and input packing overlap the GPU; requests whose sampling needs the tokens on the host
     # (repetition penalty, logits processors, output_scores/logits) run synchronously whatever this says
     async_scheduling: bool = True
+    # what a cached prefix's key covers besides the structure and adapters (engine/model_state.py): "content" reads
+    # every weight's bits at the start of each call on an idle engine (catches edits through `.data` and PEFT merges);
+    # "version" trusts in-place version counters only (free; blind to `.data` writes)
+    prefix_cache_weight_check: str = "content"
     extra: dict = field(default_factory=dict)
 
     def updated(self, **overrides) -> AccelConfig:
@@ -75,6 +82,9 @@ class AccelConfig:
                 raise ValueError(
                     f"unknown cudagraph_mode {self.cudagraph_mode!r}; choose one of {[m.value for m in CUDAGraphMode]}"
                 ) from None
+        if self.prefix_cache_weight_check not in ("content", "version"):
+            raise ValueError(f"prefix_cache_weight_check must be 'content' or 'version', "
+                             f"got {self.prefix_cache_weight_check!r}")
         if self.block_size is not None and (self.block_size <= 0 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -105,7 +115,9 @@ class AccelConfig:
             if cfg.cudagraph_mode is None:
                 cfg.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE if on_cuda else CUDAGraphMode.NONE
             if not on_cuda and cfg.cudagraph_mode != CUDAGraphMode.NONE:
-                cfg.cudagraph_mode = CUDAGraphMode.NONE  # CUDA graphs need CUDA; the engine logs this downgrade
+                logger.warning("hf_accel: cudagraph_mode=%r needs a CUDA device; the model is on %s, so it runs "
+                               "without CUDA graphs ('none')", CUDAGraphMode(cfg.cudagraph_mode).value, device.type)
+                cfg.cudagraph_mode = CUDAGraphMode.NONE
         if cfg.cudagraph_capture_sizes is None:
             cfg.cudagraph_capture_sizes = default_capture_sizes(cfg.max_num_seqs)
         return cfg

@@ -163,8 +163,16 @@ def tiny_model(config: transformers.PretrainedConfig, seed: int = 0) -> torch.nn
     return model.to(DEVICE)
 
 
+def in_engine_step():
+    """What the engine sets around its forwards: the fused forwards only run inside one (this model is not
+    accelerated, so its attention stays stock; only the context matters here)."""
+    from hf_accel.attention.context import ForwardContext, forward_context
+
+    return forward_context(ForwardContext(metadata=None, backend=None, kv_caches=[]))
+
+
 def logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
+    with torch.no_grad(), in_engine_step():
         return model(IDS.to(DEVICE)).logits
 
 
@@ -262,12 +270,15 @@ def test_falls_back_to_class_forward(monkeypatch):
     calls: list[str] = []
     monkeypatch.setattr(K, "rms_norm", lambda *a: calls.append("norm"))
     monkeypatch.setattr(K, "silu_and_mul", lambda *a: calls.append("mlp"))
-    out = model(IDS.to(DEVICE)).logits  # grad enabled, parameters require grad
+    with in_engine_step():
+        out = model(IDS.to(DEVICE)).logits  # grad enabled, parameters require grad
     assert out.requires_grad and calls == []
     torch.testing.assert_close(out.detach(), ref, rtol=0, atol=0)
+    with torch.no_grad():  # outside an engine step (a plain forward): the stock modules, even without autograd
+        assert torch.equal(model(IDS.to(DEVICE)).logits, ref) and calls == []
     norm = model.model.norm
     x = rnd(3, 64)
-    with torch.no_grad():
+    with torch.no_grad(), in_engine_step():
         assert torch.equal(norm(hidden_states=x), LlamaRMSNorm.forward(norm, x)) and calls == []
     fused.uninstall_fused_ops(record)
     if not ON_GPU:
@@ -407,17 +418,22 @@ def test_accelerate_model_installs_and_suspends_for_the_stock_path(monkeypatch):
     assert info == {"norms": 5, "mlps": 2}
     assert torch.equal(model.generate(**kw), want)
 
+    kernel_calls: list[str] = []
+    monkeypatch.setattr(K, "rms_norm", lambda *a: kernel_calls.append("norm"))
+    monkeypatch.setattr(K, "silu_and_mul", lambda *a: kernel_calls.append("mlp"))
     seen = []
 
     class Probe(LogitsProcessor):
         def __call__(self, input_ids, scores):
-            seen.append(any(has_instance_forward(m) for m in model.modules()))
+            seen.append(len(kernel_calls))
             return scores
 
     with pytest.warns(UserWarning, match="beam search"):
-        model.generate(**kw, num_beams=2, logits_processor=LogitsProcessorList([Probe()]))
-    assert seen and not any(seen), "the stock path ran the fused forwards"
-    assert any(has_instance_forward(m) for m in model.modules()), "fused forwards not put back after the stock call"
+        want_beam = stock.generate(**kw, num_beams=2)
+        got_beam = model.generate(**kw, num_beams=2, logits_processor=LogitsProcessorList([Probe()]))
+    assert seen and not kernel_calls, "the stock path ran the fused forwards"
+    assert torch.equal(got_beam, want_beam)
+    assert any(has_instance_forward(m) for m in model.modules()), "fused forwards are installed"
     restore(model)
     assert not any(has_instance_forward(m) for m in model.modules())
     accelerate_model(model, enforce_eager=True)  # enforce_eager keeps the model's own modules

@@ -13,8 +13,9 @@ from hf_accel.attention.backend import AttentionBackend, AttentionSpec, KVLayout
 from hf_accel.config import AccelConfig
 from hf_accel.engine.block_manager import BlockManager
 from hf_accel.engine.kv_cache import allocate_kv_cache, bytes_per_block
+from hf_accel.engine.model_state import prefix_key, structure_key
 from hf_accel.engine.request import Request, RequestStatus
-from hf_accel.engine.runner import ModelRunner
+from hf_accel.engine.runner import ModelRunner, engine_forward
 from hf_accel.engine.sampler import Sampler
 from hf_accel.engine.scheduler import Scheduler
 
@@ -118,29 +119,40 @@ class LLMEngine:
         logger.info("hf_accel: %s attention, %d KV blocks of %d tokens (%.2f GiB)", backend_cls.name, num_blocks,
                     self.block_size, self.kv_cache_bytes / 2**30)
         self._next_id = 0
-        self._weights = self._weights_fingerprint()
+        self._structure = structure_key(model)
+        self._prefix_key: bytes | None = None  # set by sync_with_model() at the first call
         self._async = False  # set per run(): steps launched one ahead of the host
         self._depth = 0  # run() calls in progress (a streamer or stopping criterion may call generate() again)
         self._inflight: _InFlight | None = None
 
-    def _weights_fingerprint(self) -> list[tuple[int, int]]:
-        """Address and in-place version counter of every parameter (cheap: no data is read). Buffers are left out:
-        model code may swap them itself (dynamic / long RoPE frequency tables)."""
-        return [(p.data_ptr(), p._version) for p in self.model.parameters()]
+    @property
+    def has_frozen_code(self) -> bool:
+        """Compiled pieces or CUDA graphs froze the module tree and the parameters' addresses at warm-up."""
+        return self.runner.dispatcher is not None
 
-    def check_weights(self) -> None:
-        """Between calls: cached prefixes hold KV computed with the weights of the time. An in-place update (an
-        optimizer step, load_state_dict) drops them; tensors replaced outright would leave the compiled graphs and
-        CUDA graphs reading the old memory, so that is an error."""
-        now = self._weights_fingerprint()
-        if now == self._weights:
-            return
-        if [p for p, _ in now] != [p for p, _ in self._weights]:
-            raise RuntimeError("the model's parameters were replaced (not updated in place) after "
-                               "accelerate_model(); call accelerate_model(model) again")
-        self.block_manager.forget_prefixes()
-        self._weights = now
-        logger.info("hf_accel: the model's weights changed in place; the prefix cache was cleared")
+    def sync_with_model(self) -> bool:
+        """At the start of a call, engine idle: compare the model with what the engine was built for.
+
+        Returns True when the structure changed (parameters replaced or added, PEFT adapters switched, disabled or
+        merged, forward hooks added) and compiled code is stale: the caller rebuilds the engine. Otherwise drops
+        the cached prefixes whenever their key (structure, versions and, by default, weight contents) changed, so
+        a prefix is never served with KV computed under other weights or adapters (engine/model_state.py).
+        """
+        if self.scheduler.has_work:
+            raise RuntimeError("internal error: sync_with_model() on a busy engine")
+        structure = structure_key(self.model)
+        if structure != self._structure:
+            if self.has_frozen_code:
+                return True
+            self._structure = structure
+        if self.cfg.enable_prefix_caching:
+            key = prefix_key(self.model, structure, self.cfg.prefix_cache_weight_check)
+            if key != self._prefix_key:
+                if self._prefix_key is not None and self.block_manager.cached:
+                    logger.info("hf_accel: the model's weights or adapters changed; the prefix cache was cleared")
+                self.block_manager.forget_prefixes()
+                self._prefix_key = key
+        return False
 
     def _auto_num_blocks(self, dtype: torch.dtype) -> int:
         per_block = bytes_per_block(self.shape.num_layers, self.block_size, self.shape.num_kv_heads,
@@ -186,8 +198,7 @@ class LLMEngine:
         self.backend.prepare(meta)
         ids = torch.randint(10, 1000, (t,), device=dev) % self.shape.vocab_size
         with torch.inference_mode(), forward_context(ForwardContext(meta, self.backend, caches)):
-            self.model(input_ids=ids[None], position_ids=torch.arange(t, device=dev)[None],
-                       logits_to_keep=torch.tensor([t - 1], device=dev), use_cache=False)
+            engine_forward(self.model, ids[None], torch.arange(t, device=dev)[None], torch.tensor([t - 1], device=dev))
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - before
         del caches
@@ -309,8 +320,6 @@ class LLMEngine:
                 self._read_back(flight)
             self._async = False
         else:
-            if not self.scheduler.has_work:
-                self.check_weights()
             self._async = self.cfg.async_scheduling and all(r.is_async_safe for r in requests)
             self._inflight = None
         self._depth += 1
@@ -323,9 +332,18 @@ class LLMEngine:
                     on_tokens(emitted)
         except BaseException:
             self._inflight = None
-            self.scheduler.abort_all()
-            for req in requests:
-                req.num_pending_tokens = 0
+            try:
+                self.scheduler.abort_all()
+                for req in requests:  # dead now, also one caught between leaving the scheduler and its release
+                    req.num_pending_tokens = 0
+                    req.block_ids, req.block_hashes = [], []
+            finally:
+                # the exception may have landed anywhere in the scheduler or block manager (a block taken off the
+                # free list and not yet recorded, a release cut short): rebuild the block state from the requests
+                # still alive (none after abort_all; the others' requests once a failed call aborts only its own)
+                leaked = self.block_manager.reconcile(self.scheduler.live_requests())
+                if leaked:
+                    logger.debug("hf_accel: %d KV blocks recovered after an exception", leaked)
             raise
         finally:
             self._depth -= 1

@@ -46,6 +46,18 @@ class StepInputs:
     pending_src: list[int] = field(default_factory=list)
 
 
+def engine_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                   logits_indices: torch.Tensor) -> torch.Tensor:
+    """The family's `*ForCausalLM.forward` on packed `[1, T]` input, inside an engine step: logits `[1, N, V]`.
+
+    The all-ones attention mask only keeps transformers from inferring packed sequences from the position ids (a
+    host sync per forward); the mask function registered under our name returns no mask inside a step anyway.
+    """
+    mask = torch.ones_like(input_ids, dtype=torch.bool)
+    return model(input_ids=input_ids, position_ids=positions, attention_mask=mask, logits_to_keep=logits_indices,
+                 use_cache=False).logits
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, max_num_seqs: int,
@@ -224,8 +236,7 @@ class ModelRunner:
     def forward_2d(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    logits_indices: torch.Tensor) -> torch.Tensor:
         """The function the compiler traces: `[1, T]` inputs -> logits `[1, N, V]`."""
-        return self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logits_indices,
-                          use_cache=False).logits
+        return engine_forward(self.model, input_ids, positions, logits_indices)
 
     # -- compilation and CUDA graphs ----------------------------------------------------------------------------
     def dummy_inputs(self, query_lens: list[int]) -> StepInputs:

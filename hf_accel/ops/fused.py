@@ -13,10 +13,11 @@ and only classes defined by transformers itself (remote-code copies may differ).
 consecutive rows of one storage (`compilation.linear_packing.pack_sibling_linears` arranges that), both are one GEMM
 over a view of the packed block.
 
-A patched forward falls back to the class forward whenever the fused one would not be equivalent: autograd needs
-the result, the call passes anything but one tensor, or the tensors moved off CUDA (CPU runs only when installed
-with `allow_cpu=True`, which the tests use with the Triton interpreter). This module does not import triton; the
-kernels are imported when `install_fused_ops` runs.
+A patched forward falls back to the class forward whenever the fused one would not be equivalent or is not wanted:
+outside an engine step (a plain forward, training and evaluation run the stock modules), autograd needs the result,
+the call passes anything but one tensor, gate/up were wrapped or hooked since install (a PEFT adapter), or the
+tensors moved off CUDA (CPU runs only when installed with `allow_cpu=True`, which the tests use with the Triton
+interpreter). This module does not import triton; the kernels are imported when `install_fused_ops` runs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_accel.attention.context import in_engine_step
 from hf_accel.compilation.linear_packing import consecutive_rows
 
 logger = logging.getLogger(__name__)
@@ -105,7 +107,7 @@ def _on_allowed_device(tensors: list[torch.Tensor], allow_cpu: bool) -> bool:
 
 def _fusable_input(args: tuple, kwargs: dict, params: list[torch.Tensor], allow_cpu: bool) -> torch.Tensor | None:
     """The single tensor input when the fused path computes exactly what the class forward would, else None."""
-    if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+    if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or not in_engine_step():
         return None
     x = args[0]
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
@@ -135,6 +137,8 @@ def _norm_forward(style: str, allow_cpu: bool, kernels: types.ModuleType) -> Cal
 
 def _mlp_forward(allow_cpu: bool, kernels: types.ModuleType) -> Callable[..., torch.Tensor]:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not _still_plain(self):  # wrapped since install (a PEFT adapter on gate/up) or hooked: the class forward
+            return type(self).forward(self, *args, **kwargs)
         gate_w, up_w = self.gate_proj.weight, self.up_proj.weight
         x = _fusable_input(args, kwargs, [gate_w, up_w], allow_cpu)
         if x is None:
@@ -159,6 +163,12 @@ def gate_packed_with_up(mlp: nn.Module) -> bool:
     Checked on every call: `restore()` or `unpack_sibling_linears` may give the weights their own storage again.
     """
     return consecutive_rows([mlp.gate_proj.weight, mlp.up_proj.weight])
+
+
+def _still_plain(mlp: nn.Module) -> bool:
+    """gate/up are still the plain, unhooked Linears (and act_fn the SiLU) that install_fused_ops checked."""
+    return (type(mlp.gate_proj) is nn.Linear and type(mlp.up_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear
+            and all(_no_hooks(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.act_fn)))
 
 
 def _norm_style(module: nn.Module) -> str | None:
