@@ -23,7 +23,7 @@ from hf_accel.attention.autotune import (
     store_choice,
 )
 from hf_accel.attention.backend import AttentionSpec
-from hf_accel.attention.op import ATTN_IMPLEMENTATION_NAME, register_stock_attention, unregister_stock_attention
+from hf_accel.attention.op import is_ours, register_implementation, stock_implementation
 from hf_accel.attention.registry import (
     BACKEND_NAMES,
     auto_candidates,
@@ -61,6 +61,12 @@ class AccelState:
     # generate() again on the same thread (the engine nests it)
     lock: threading.RLock = field(default_factory=threading.RLock)
     running_threads: dict[int, int] = field(default_factory=dict)  # thread id -> calls of that thread in progress
+
+    def __deepcopy__(self, memo) -> None:
+        """A deep copy of an accelerated model (a frozen reference model in an RL loop) is a stock model with the
+        same weights: it gets no engine of its own (no second KV cache); its generate() runs stock generate() and
+        its forward the stock attention. accelerate_model(copy) accelerates it."""
+        return None
 
 
 def base_model_of(model):
@@ -160,8 +166,9 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
         select_s += time.perf_counter() - t_select - (autotune_info or {}).get("seconds", 0.0)
 
     original = model.config._attn_implementation
-    register_stock_attention(model, original)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION_NAME)
+    if is_ours(original):  # a deep copy of an accelerated model: its stock implementation is in the name
+        original = stock_implementation(original)
+    model.set_attn_implementation(register_implementation(original))
     packed: PackRecord | None = None
     fused: FusedRecord | None = None
     # compile off on CUDA (and not enforce_eager, which keeps the model's own modules): RMSNorms and SiLU MLPs get
@@ -182,7 +189,6 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
         engine = LLMEngine(model, cfg, backend_cls, spec)
     except BaseException:
         model.set_attn_implementation(original)
-        unregister_stock_attention(model)
         if fused is not None:
             uninstall_fused_ops(fused)
         if packed is not None:
@@ -299,6 +305,7 @@ def restore(model):
     wrapper, model = model, base_model_of(model)
     state: AccelState | None = model.__dict__.get(_STATE)
     if state is None:
+        _strip_copied_patches(model)
         return wrapper
     if state.running_threads.get(threading.get_ident()):
         raise RuntimeError("restore() was called from inside a running generate() of this model (a streamer, "
@@ -309,12 +316,24 @@ def restore(model):
     return wrapper
 
 
+def _strip_copied_patches(model) -> None:
+    """What a deep copy of an accelerated model carries besides its (empty) state: our generate methods, our attention
+    name and the fused forwards (which run the stock modules outside an engine step anyway)."""
+    for name in ("generate", "generate_batch"):
+        fn = getattr(model.__dict__.get(name), "__func__", None)
+        if fn in (_accelerated_generate, _accelerated_generate_batch):
+            del model.__dict__[name]
+    model.__dict__.pop(_STATE, None)
+    if is_ours(getattr(model.config, "_attn_implementation", None)):
+        model.set_attn_implementation(stock_implementation(model.config._attn_implementation))
+    uninstall_fused_ops(FusedRecord(modules=list(model.modules())))
+
+
 def _restore_locked(model, state: AccelState) -> None:
     for name in ("generate", "generate_batch"):
         if name in model.__dict__:
             del model.__dict__[name]
     model.set_attn_implementation(state.original_attn_implementation)
-    unregister_stock_attention(model)
     if state.fused_ops is not None:
         uninstall_fused_ops(state.fused_ops)
     if state.packed_linears is not None:
@@ -387,9 +406,10 @@ def _exclusive_call(model, state: AccelState) -> Iterator[AccelState]:
                 del state.running_threads[tid]
 
 
-def _warn_stock(state: AccelState, reason: str) -> None:
-    if reason not in state.warned:
-        state.warned.add(reason)
+def _warn_stock(state: AccelState | None, reason: str) -> None:
+    if state is None or reason not in state.warned:
+        if state is not None:
+            state.warned.add(reason)
         warnings.warn(f"hf_accel does not accelerate {reason}; this call runs stock transformers generate()",
                       UserWarning, stacklevel=3)
 
@@ -404,7 +424,7 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
     attention and the modules are the stock ones, so nothing has to be switched back (and no other thread's engine
     step sees a switched model).
     """
-    state: AccelState = self.__dict__[_STATE]
+    state: AccelState | None = self.__dict__.get(_STATE)
     stock_args = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
                       stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
                       synced_gpus=synced_gpus, assistant_model=assistant_model, streamer=streamer,
@@ -427,6 +447,8 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
                                                  negative_prompt_ids=negative_prompt_ids,
                                                  stopping_criteria=stopping_criteria,
                                                  num_rows=_num_rows(input_ids)))
+    if reason is None and state is None:
+        reason = "a copy of an accelerated model (accelerate_model(copy) to accelerate it)"
     if reason is None and input_ids is None:
         reason = "generation without input_ids (inputs_embeds or an unconditional start)"
     if reason is not None:
@@ -459,7 +481,12 @@ def _accelerated_generate_batch(self, inputs: list[list[int]], generation_config
     `continuous_batching_config`, `persistent_manager` and `warmup` are accepted and ignored: the engine is
     configured by accelerate_model() and already warm.
     """
-    state: AccelState = self.__dict__[_STATE]
+    state: AccelState | None = self.__dict__.get(_STATE)
+    if state is None:  # a copy of an accelerated model: stock
+        return type(self).generate_batch(self, inputs, generation_config=generation_config,
+                                          continuous_batching_config=continuous_batching_config,
+                                          record_timestamps=record_timestamps, progress_bar=progress_bar,
+                                          persistent_manager=persistent_manager, warmup=warmup, **kwargs)
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     if kwargs:
         logger.warning("hf_accel generate_batch ignores unsupported keyword arguments %s", sorted(kwargs))

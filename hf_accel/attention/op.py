@@ -4,17 +4,17 @@
 backend into a preallocated output. Dynamo does not trace into it, so a compiled forward is one graph with exactly
 one such call per layer: the piecewise compiler cuts there.
 
-Outside an engine step (a plain forward or backward: training, evaluation, an RL loop's log-probs) the registered
-attention and mask functions hand over to the model's original implementation ("sdpa", "eager", ...) with exactly
-the arguments transformers gave them, so the accelerated model computes what the stock model computes, gradients
-included. `register_stock_attention(model, name)` records that original per config object (keyed by identity, not
-stored on the config, which would serialize it).
+Outside an engine step (a plain forward or backward: training, evaluation, an RL loop's log-probs, a stock-path
+generate()) the registered attention and mask functions hand over to the model's original implementation ("sdpa",
+"eager", ...) with exactly the arguments transformers gave them, so the accelerated model computes what the stock
+model computes, gradients included. The original is encoded in the registered name itself ("hf_accel" for sdpa,
+"hf_accel_eager", "hf_accel_fa2", ...): nothing is kept beside the config, so a deep copy of an accelerated model
+(a reference model in an RL loop) still runs its stock attention.
 """
 
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import Any
 
 import torch
@@ -24,8 +24,42 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_accel.attention.context import get_forward_context, in_engine_step
 
-# registered in AttentionInterface; no "flash"/"paged" in it (transformers special-cases those names)
+# the name registered for a model whose original implementation is sdpa; no "flash"/"paged" in any of our names
+# (transformers special-cases those)
 ATTN_IMPLEMENTATION_NAME = "hf_accel"
+_SUFFIXES = {"sdpa": "", "eager": "_eager", "flash_attention_2": "_fa2", "flash_attention_3": "_fa3",
+             "flash_attention_4": "_fa4", "flex_attention": "_flex"}
+_STOCK_OF_SUFFIX = {v: k for k, v in _SUFFIXES.items()}
+
+
+def implementation_name(stock: str) -> str:
+    """The name registered for a model whose original attention implementation is `stock`."""
+    suffix = _SUFFIXES.get(stock)
+    if suffix is None:
+        if not stock or any(c in stock for c in ("flash", "paged", "/", ":", "|")) or not stock.isidentifier():
+            raise NotImplementedError(f"the model uses the attention implementation {stock!r}; hf_accel cannot route "
+                                      "plain forwards back to it (supported: " + ", ".join(_SUFFIXES) + ")")
+        suffix = "_" + stock
+    return ATTN_IMPLEMENTATION_NAME + suffix
+
+
+def stock_implementation(name: str) -> str:
+    """The original implementation encoded in one of our names."""
+    suffix = name[len(ATTN_IMPLEMENTATION_NAME):]
+    return _STOCK_OF_SUFFIX.get(suffix, suffix[1:])
+
+
+def is_ours(name: Any) -> bool:
+    return isinstance(name, str) and (name == ATTN_IMPLEMENTATION_NAME or name.startswith(ATTN_IMPLEMENTATION_NAME
+                                                                                         + "_"))
+
+
+def register_implementation(stock: str) -> str:
+    """Register our attention and mask functions under the name for `stock`; returns that name."""
+    name = implementation_name(stock)
+    AttentionInterface.register(name, hf_accel_attention_forward)
+    AttentionMaskInterface.register(name, hf_accel_attention_mask)
+    return name
 
 
 @torch.library.custom_op("hf_accel::attention", mutates_args=("output",))
@@ -49,63 +83,25 @@ def _(query, key, value, output, layer_idx, scale, sliding_window, softcap) -> N
     return None
 
 
-# id(config) -> the attention implementation the model had before accelerate_model (one entry per config object the
-# model's modules hold; removed by restore() or when the config is garbage collected)
-_STOCK_IMPLEMENTATION: dict[int, str] = {}
-
-
-def _configs_of(model: torch.nn.Module) -> list[Any]:
-    seen: dict[int, Any] = {}
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            seen.setdefault(id(cfg), cfg)
-    return list(seen.values())
-
-
-def register_stock_attention(model: torch.nn.Module, name: str) -> None:
-    """Remember `name` as the implementation plain forwards of `model` run (see the module docstring)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_mask)
-    for cfg in _configs_of(model):
-        sub = getattr(cfg, "_attn_implementation", None)
-        own = sub if sub and sub != ATTN_IMPLEMENTATION_NAME else name
-        if id(cfg) not in _STOCK_IMPLEMENTATION:
-            weakref.finalize(cfg, _STOCK_IMPLEMENTATION.pop, id(cfg), None)
-        _STOCK_IMPLEMENTATION[id(cfg)] = own
-
-
-def unregister_stock_attention(model: torch.nn.Module) -> None:
-    for cfg in _configs_of(model):
-        _STOCK_IMPLEMENTATION.pop(id(cfg), None)
-
-
-def _stock_name(config: Any) -> str:
-    name = _STOCK_IMPLEMENTATION.get(id(config))
-    if name is None:
-        raise RuntimeError("hf_accel attention was called for a model config it does not know (a copy of an "
-                           "accelerated model?); call accelerate_model() on the model you run, or restore() it")
-    return name
-
-
 def _stock_attention_function(module: torch.nn.Module):
     """What transformers itself would call for `module` under its original implementation."""
-    name = _stock_name(module.config)
-    if name == "eager":  # the family's own eager function (softcapping and other quirks live there)
+    stock = stock_implementation(module.config._attn_implementation)
+    if stock == "eager":  # the family's own eager function (softcapping and other quirks live there)
         family = sys.modules.get(type(module).__module__)
         fn = getattr(family, "eager_attention_forward", None)
         if fn is None:
             raise NotImplementedError(f"{type(module).__name__}: its module defines no eager_attention_forward")
         return fn
-    return ALL_ATTENTION_FUNCTIONS[name]
+    return ALL_ATTENTION_FUNCTIONS[stock]
 
 
 def hf_accel_attention_mask(*args: Any, **kwargs: Any):
-    """The mask function registered under our name: none inside an engine step (the step metadata says who attends
+    """The mask function registered under our names: none inside an engine step (the step metadata says who attends
     to whom), the original implementation's mask outside one."""
     if in_engine_step():
         return None
-    return ALL_MASK_ATTENTION_FUNCTIONS[_stock_name(kwargs.get("config"))](*args, **kwargs)
+    stock = stock_implementation(kwargs["config"]._attn_implementation)
+    return ALL_MASK_ATTENTION_FUNCTIONS[stock](*args, **kwargs)
 
 
 def hf_accel_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,0 +1,399 @@
+"""The model changes under the engine: training steps, edits through `.data`, PEFT adapters, restore() mid-call.
+
+Every case compares with a stock (never accelerated) copy that went through the same change, and with the same
+call with the prefix cache off, so a stale cached prefix, a stale compiled forward or a lost update shows up as a
+token difference. Tiny float32 models on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+
+import pytest
+import torch
+from conftest import PROMPTS, left_pad, make_llama
+
+from hf_accel import accelerate_model, restore
+from hf_accel.api import engine_info
+
+peft = pytest.importorskip("peft")
+
+# a shared prefix of two full blocks (block_size 16), so a repeated call is served from the prefix cache
+LONG = [(7 * i + 3) % 190 + 5 for i in range(40)]
+GEN = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+def batch():
+    return left_pad([LONG, LONG[:35] + [9, 9], PROMPTS[0]])
+
+
+def run(model) -> torch.Tensor:
+    ids, mask = batch()
+    return model.generate(input_ids=ids, attention_mask=mask, **GEN)
+
+
+def hits(model) -> int:
+    return model._hf_accel_state.engine.scheduler.prefix_hit_tokens if hasattr(model, "_hf_accel_state") else 0
+
+
+@pytest.fixture
+def pair():
+    """(stock, accelerated) with the same weights; the accelerated one uses 16-token blocks."""
+    torch.manual_seed(0)
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16)
+    yield stock, accel
+    restore(accel)
+
+
+def assert_fresh_equal(stock, accel) -> None:
+    """The repeated call equals stock, and equals a prefix-cache-free engine on the same weights."""
+    got = run(accel)
+    assert torch.equal(got, run(stock))
+    uncached = accelerate_model(copy.deepcopy(accel), block_size=16, enable_prefix_caching=False)
+    assert torch.equal(got, run(uncached))
+
+
+# -- weights edited behind the version counters ------------------------------------------------------------------
+@pytest.mark.parametrize("edit", ["data_mul", "data_flip_columns", "data_roll_rows", "no_grad_copy", "one_element"])
+def test_prefix_cache_never_serves_kv_of_other_weights(pair, edit):
+    stock, accel = pair
+    assert torch.equal(run(accel), run(stock))
+    before = hits(accel)
+    assert torch.equal(run(accel), run(stock)) and hits(accel) > before  # the cache is in use
+
+    def apply(m):
+        w = m.model.layers[0].self_attn.v_proj.weight
+        if edit == "data_mul":
+            w.data.mul_(1.7)  # `.data` has a fresh version counter: the parameter's own does not move
+        elif edit == "data_flip_columns":
+            w.data.copy_(w.data.flip(-1))  # same values, same sums per row: only positions change
+        elif edit == "data_roll_rows":
+            w.data.copy_(w.data.roll(1, 0))
+        elif edit == "no_grad_copy":
+            with torch.no_grad():
+                w.copy_(torch.randn_like(w) * 0.1)
+        else:
+            w.data[3, 5] = torch.nextafter(w.data[3, 5], torch.tensor(1.0))  # one ulp of one element
+
+    torch.manual_seed(1)
+    apply(stock)
+    torch.manual_seed(1)
+    apply(accel)
+    before = hits(accel)
+    assert_fresh_equal(stock, accel)
+    assert hits(accel) == before, "a prefix computed under the old weights was reused"
+
+
+def test_version_only_check_is_documented_blind_to_data_edits():
+    """prefix_cache_weight_check="version" trusts version counters: an in-place optimizer-style update is seen."""
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16, config=None)
+    from hf_accel.config import AccelConfig
+
+    accel = accelerate_model(accel, config=AccelConfig(block_size=16, prefix_cache_weight_check="version"))
+    run(accel)
+    for m in (stock, accel):
+        with torch.no_grad():
+            m.model.layers[1].mlp.down_proj.weight.mul_(1.3)
+    before = hits(accel)
+    assert torch.equal(run(accel), run(stock))
+    assert hits(accel) == before
+    with pytest.raises(ValueError, match="prefix_cache_weight_check"):
+        accelerate_model(accel, config=AccelConfig(prefix_cache_weight_check="never"))
+    restore(accel)
+
+
+# -- PEFT ----------------------------------------------------------------------------------------------------------
+def lora(model, name="default", seed=0):
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
+                          init_lora_weights=False)
+    if isinstance(model, peft.PeftModel):
+        model.add_adapter(name, cfg)
+        return model
+    return peft.get_peft_model(model, cfg, adapter_name=name)
+
+
+def two_adapter_pair(accelerate_first: bool):
+    stock = lora(lora(make_llama(0), "a", seed=1), "b", seed=2)
+    base = make_llama(0)
+    if accelerate_first:
+        accelerate_model(base, block_size=16)
+        accel = lora(lora(base, "a", seed=1), "b", seed=2)
+    else:
+        accel = accelerate_model(lora(lora(base, "a", seed=1), "b", seed=2), block_size=16)
+    for m in (stock, accel):
+        m.set_adapter("a")
+    return stock, accel
+
+
+@pytest.mark.parametrize("accelerate_first", [True, False], ids=["accelerate-then-wrap", "wrap-then-accelerate"])
+def test_peft_both_ways_adapters_switched_and_disabled(accelerate_first):
+    stock, accel = two_adapter_pair(accelerate_first)
+    plain = run(make_llama(0))
+    assert engine_info(accel)["attention_backend"] == "torch"
+    seen = []
+    for step in ["a", "a", "b", "disabled", "a", "b", "merged-a", "unmerged", "b"]:
+        if step == "disabled":
+            with stock.disable_adapter(), accel.disable_adapter():
+                got, want = run(accel), run(stock)
+            assert torch.equal(got, plain)
+        elif step == "merged-a":
+            for m in (stock, accel):
+                m.set_adapter("a")
+                m.merge_adapter()  # writes the LoRA product into the base weights through `.data`
+            got, want = run(accel), run(stock)
+        elif step == "unmerged":
+            for m in (stock, accel):
+                m.unmerge_adapter()
+            got, want = run(accel), run(stock)
+        else:
+            for m in (stock, accel):
+                m.set_adapter(step)
+            got, want = run(accel), run(stock)
+        assert torch.equal(got, want), step
+        seen.append(got)
+    assert not torch.equal(seen[0], seen[2]), "adapters a and b should give different tokens on this model"
+    restore(accel)
+    assert not hasattr(accel.get_base_model(), "_hf_accel_state")
+    assert torch.equal(run(accel), run(stock))
+
+
+def test_restore_and_reaccelerate_a_peft_model():
+    stock = lora(make_llama(0))
+    base = make_llama(0)
+    accelerate_model(base)
+    accel = lora(base)
+    accelerate_model(accel, block_size=32)  # on the PeftModel: acts on its base model
+    assert engine_info(accel)["block_size"] == 32
+    assert torch.equal(run(accel), run(stock))
+    assert restore(accel) is accel
+    assert "generate" not in accel.get_base_model().__dict__
+    assert torch.equal(run(accel), run(stock))
+
+
+# -- training while accelerated ------------------------------------------------------------------------------------
+def loss_and_grads(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_training_steps_between_generate_calls():
+    """Plain forward and backward are stock's exactly (padded batch); after AdamW steps generate() uses the new
+    weights, on the same engine, without a prefix from the old weights."""
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16)
+    engine = accel._hf_accel_state.engine
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (stock, accel)]
+    ids, mask = batch()
+    for it in range(3):
+        assert torch.equal(run(accel), run(stock)), it
+        for m in (stock, accel):
+            m.train()
+        (loss_s, grads_s), (loss_a, grads_a) = loss_and_grads(stock, ids, mask), loss_and_grads(accel, ids, mask)
+        assert torch.equal(loss_s, loss_a)
+        for name in grads_s:
+            assert torch.equal(grads_s[name], grads_a[name]), name
+        for opt in opts:
+            opt.step()
+        for m in (stock, accel):
+            m.eval()
+    assert torch.equal(run(accel), run(stock))
+    assert accel._hf_accel_state.engine is engine  # same engine: nothing rebuilt by weight updates
+    with torch.no_grad():  # a plain eval forward with a KV cache (DynamicCache), as evaluation code does
+        a = accel(input_ids=ids, attention_mask=mask, use_cache=True)
+        s = stock(input_ids=ids, attention_mask=mask, use_cache=True)
+    assert torch.equal(a.logits, s.logits)
+    restore(accel)
+
+
+def test_compiled_engine_keeps_its_compiled_code_across_optimizer_steps():
+    """compile=True (CPU Inductor): a training step runs the stock modules; the next generate() reuses the compiled
+    forward (no new trace) and reads the updated weights in place."""
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock), compile=True, block_size=16)
+    runner = accel._hf_accel_state.engine.runner
+    piecewise = runner.piecewise
+    assert piecewise is not None
+    traced = piecewise.stats.trace_seconds
+    assert torch.equal(run(accel), run(stock))
+    ids, mask = batch()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (stock, accel)]
+    grads = [loss_and_grads(m, ids, mask)[1] for m in (stock, accel)]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0)
+    for opt in opts:
+        opt.step()
+    assert torch.equal(run(accel), run(stock))
+    assert accel._hf_accel_state.engine.runner.piecewise is piecewise and piecewise.stats.trace_seconds == traced
+    restore(accel)
+
+
+def test_compiled_engine_rebuilt_when_an_adapter_is_added(caplog):
+    """Compiled code froze the module tree: wrapping with PEFT afterwards rebuilds it (logged), never serves the
+    forward without the adapter."""
+    stock = lora(make_llama(0))
+    base = make_llama(0)
+    accelerate_model(base, compile=True, block_size=16)
+    accel = lora(base)
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        assert torch.equal(run(accel), run(stock))
+    assert "compiling it again" in caplog.text
+    assert base._hf_accel_state.engine.runner.piecewise is not None
+    restore(accel)
+
+
+# -- restore() and threads -------------------------------------------------------------------------------------------
+class _GateStreamer:
+    """Blocks the generating thread after its first tokens until released."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.puts = 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 3:
+            self.started.set()
+            assert self.release.wait(30)
+
+    def end(self) -> None:
+        pass
+
+
+def test_restore_waits_for_a_running_call():
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock))
+    ids, mask = batch()
+    want = stock.generate(input_ids=ids, attention_mask=mask, **GEN)
+    streamer = _GateStreamer()
+    result: dict = {}
+
+    def call():
+        result["out"] = accel.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **GEN)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    assert streamer.started.wait(30)
+    restorer = threading.Thread(target=restore, args=(accel,))
+    restorer.start()
+    restorer.join(0.5)
+    assert restorer.is_alive(), "restore() returned while generate() was running"
+    assert hasattr(accel, "_hf_accel_state")
+    streamer.release.set()
+    worker.join(30)
+    restorer.join(30)
+    assert torch.equal(result["out"], want)
+    assert not hasattr(accel, "_hf_accel_state")
+
+
+def test_restore_from_inside_the_running_call_raises():
+    accel = accelerate_model(make_llama(0))
+    ids, mask = batch()
+
+    class Restorer:
+        error = None
+
+        def put(self, value):
+            if self.error is None:
+                try:
+                    restore(accel)
+                except RuntimeError as exc:
+                    self.error = exc
+
+        def end(self):
+            pass
+
+    streamer = Restorer()
+    out = accel.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **GEN)
+    assert streamer.error is not None and "inside a running generate" in str(streamer.error)
+    assert torch.equal(out, run(make_llama(0)))
+    restore(accel)
+
+
+def test_many_threads_one_model_and_two_models_in_two_threads():
+    """Concurrent calls on one model each get exactly their own answer; two accelerated models stepping in two
+    threads never see each other's step (the forward context is per thread)."""
+    stock_a, stock_b = make_llama(0), make_llama(5)
+    accel_a = accelerate_model(copy.deepcopy(stock_a))
+    accel_b = accelerate_model(copy.deepcopy(stock_b))
+    rows = [PROMPTS[i % 3][: 3 + i % 5] for i in range(8)]
+    want = {(k, i): m.generate(input_ids=torch.tensor([r]), **GEN) for k, m in (("a", stock_a), ("b", stock_b))
+            for i, r in enumerate(rows)}
+    got: dict = {}
+    errors: list = []
+
+    def work(key, model):
+        try:
+            for _ in range(2):
+                for i, r in enumerate(rows):
+                    got[(key, i)] = model.generate(input_ids=torch.tensor([r]), **GEN)
+                    assert torch.equal(got[(key, i)], want[(key, i)]), (key, i)
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k, m)) for k, m in
+               [("a", accel_a), ("b", accel_b), ("a", accel_a), ("b", accel_b), ("a", accel_a), ("b", accel_b)]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    restore(accel_a)
+    restore(accel_b)
+
+
+# -- bad input ids and small items -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.float16, torch.int16])
+def test_non_integer_input_ids_raise_the_stock_error(dtype):
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock))
+    ids = torch.tensor([[5, 6, 7]]).to(dtype)
+    with pytest.raises(Exception) as stock_err:
+        stock.generate(ids, max_new_tokens=2, do_sample=False)
+    with pytest.raises(type(stock_err.value)) as ours:
+        accel.generate(ids, max_new_tokens=2, do_sample=False)
+    assert str(ours.value) == str(stock_err.value)
+    restore(accel)
+
+
+def test_int32_input_ids_accepted():
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock))
+    ids = torch.tensor([[5, 6, 7]], dtype=torch.int32)
+    assert torch.equal(accel.generate(ids, **GEN), stock.generate(ids.long(), **GEN))
+    restore(accel)
+
+
+def test_explicit_graph_mode_on_cpu_is_logged(caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        accel = accelerate_model(make_llama(0), cudagraph_mode="full")
+    assert "needs a CUDA device" in caplog.text
+    assert engine_info(accel)["cudagraph_mode"] == "none"
+    restore(accel)
+
+
+def test_deep_copy_of_an_accelerated_model_is_a_stock_model():
+    """As an RL loop's frozen reference model: forward and generate() stock, no second engine; accelerating the copy
+    works; restoring it strips what was copied."""
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock))
+    ref = copy.deepcopy(accel)
+    assert ref.__dict__.get("_hf_accel_state") is None
+    ids, mask = batch()
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=ids, attention_mask=mask).logits,
+                           stock(input_ids=ids, attention_mask=mask).logits)
+    with pytest.warns(UserWarning, match="copy of an accelerated model"):
+        assert torch.equal(run(ref), run(stock))
+    accelerate_model(ref)
+    assert torch.equal(run(ref), run(stock)) and engine_info(ref)["attention_backend"] == "torch"
+    restore(ref)
+    assert "generate" not in ref.__dict__ and ref.config._attn_implementation == stock.config._attn_implementation
+    restore(accel)
