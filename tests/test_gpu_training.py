@@ -80,3 +80,40 @@ def test_forward_backward_stock_and_generate_after_optimizer_step():
     assert accel._hf_accel_state is state and runner.piecewise is piecewise and runner.full_graphs is full_graphs
     assert piecewise.stats.trace_seconds == traced, "the forward was traced again"
     restore(accel)
+
+
+@requires_cuda
+def test_peft_lora_added_after_acceleration_and_switched():
+    """Compile, packed weights and graphs in place, then LoRA adapters added and switched between calls: greedy as
+    stock PEFT (near-tie rule), the compiled code rebuilt for each structure."""
+    peft = pytest.importorskip("peft")
+
+    def with_adapters(model):
+        for i, name in enumerate(("a", "b")):
+            torch.manual_seed(10 + i)
+            cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj"],
+                                  init_lora_weights=False)
+            if i == 0:
+                model = peft.get_peft_model(model, cfg, adapter_name=name)
+            else:
+                model.add_adapter(name, cfg)
+        return model
+
+    stock = with_adapters(small_qwen3())
+    base = small_qwen3()
+    accelerate_model(base)
+    accel = with_adapters(base)
+    ids, mask = batch([40, 9, 27], seed=5)
+    gen = dict(max_new_tokens=12, do_sample=False)
+    outs = []
+    for name in ("a", "b", "a"):
+        for m in (stock, accel):
+            m.set_adapter(name)
+        ref = stock.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True,
+                             **gen)
+        got = accel.generate(input_ids=ids, attention_mask=mask, **gen)
+        assert_greedy_matches(ref.sequences, got, ref.scores, ids.shape[1])
+        assert base._hf_accel_state.engine.runner.piecewise is not None
+        outs.append(got)
+    assert not torch.equal(outs[0], outs[1])
+    restore(accel)

@@ -5,6 +5,12 @@ are served first, in arrival order; whatever budget is left admits waiting reque
 chunks when they do not fit. When the KV cache runs out of blocks, the most recently admitted running request is
 preempted: its blocks are released and it goes back to the front of the queue, to be recomputed from its prompt and
 the tokens it already produced (which the prefix cache often still holds). No request is ever dropped.
+
+Exceptions: a request that may hold blocks is always in `running` or `waiting` (while it moves from one to the other
+it is briefly in both), so `live_requests()` is the set whose block lists the block manager must honour, and
+`abort_all()` reaches every block holder. Whatever an interruption leaves in between (a block taken and not yet
+recorded, a request released halfway) is repaired by `BlockManager.reconcile(scheduler.live_requests())`, which the
+engine calls after aborting.
 """
 
 from __future__ import annotations
@@ -54,13 +60,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, req: Request, step: ScheduledStep) -> None:
+    def live_requests(self) -> list[Request]:
+        """Every request the scheduler holds (running or waiting), each once: the block holders."""
+        return list({id(r): r for r in (*self.running, *self.waiting)}.values())
+
+    def _preempt_last(self, step: ScheduledStep) -> Request:
+        """Preempt the most recently admitted running request. It joins the queue before it leaves `running`, so
+        it is never in neither (where an abort would not see its blocks)."""
+        req = self.running[-1]
+        self.waiting.appendleft(req)
+        self.running.pop()
+        req.status = RequestStatus.WAITING
         self.block_manager.release(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
         step.preempted.append(req)
+        return req
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
@@ -75,8 +90,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not bm.ensure(req, req.num_computed_tokens + n):
-                victim = self.running.pop()
-                self._preempt(victim, step)
+                victim = self._preempt_last(step)
                 if victim is req:
                     break
             else:
@@ -89,18 +103,19 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not step.preempted:
             req = self.waiting[0]
-            if not req.block_ids:
-                req.num_cached_tokens = bm.admit(req)
-                req.num_computed_tokens = req.num_cached_tokens
-                self.prefix_hit_tokens += req.num_cached_tokens
+            if req.block_ids:  # queued requests hold none, unless an exception cut an admission short: start over
+                bm.release(req)
+            req.num_cached_tokens = bm.admit(req)
+            req.num_computed_tokens = req.num_cached_tokens
+            self.prefix_hit_tokens += req.num_cached_tokens
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not bm.ensure(req, req.num_computed_tokens + n):
                 bm.release(req)
                 req.num_computed_tokens = 0
                 break
+            self.running.append(req)  # in `running` before it leaves the queue: always in one of them
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
             step.requests.append(req)
             step.num_tokens.append(n)
             budget -= n
@@ -116,7 +131,16 @@ class Scheduler:
         self.block_manager.release(req)
 
     def abort_all(self) -> None:
-        for req in list(self.running):
-            self.block_manager.release(req)
+        """Drop every request, running or waiting, and give back their blocks.
+
+        Waiting requests can hold blocks too: between admit() (its cached prefix blocks) and the end of its
+        admission, and after a preemption cut short. Each aborted request is left with no blocks and nothing
+        computed. The queues are emptied first, so an interruption here leaves no request behind that
+        still counts as live; the blocks of one released only halfway are leaked until the caller runs
+        `BlockManager.reconcile()`, which the engine does after every abort."""
+        aborted = self.live_requests()
         self.running.clear()
         self.waiting.clear()
+        for req in aborted:
+            self.block_manager.release(req)
+            req.num_computed_tokens = 0
