@@ -93,8 +93,6 @@ def digest_cost(shape: str, repeats: int = 5) -> dict:
         sync_time(lambda: model.generate(input_ids=ids, max_new_tokens=256, do_sample=False)) for _ in range(3))
     restore(model)
     out["content_share_of_w1"] = out["content_ms"] / out["w1_call_ms"]
-    del model
-    torch.cuda.empty_cache()
     return out
 
 
@@ -124,6 +122,7 @@ def main() -> None:
     del base
     torch.cuda.empty_cache()
     result["weight_check"] = {"qwen3-0.6b": digest_cost("qwen3-0.6b")}
+    torch.cuda.empty_cache()
     if args.digest_8b:
         result["weight_check"]["llama-3.1-8b"] = digest_cost("llama-3.1-8b")
     for shape, d in result["weight_check"].items():

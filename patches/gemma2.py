@@ -6,4 +6,7 @@ softcap stays in Gemma2ForCausalLM.forward, so the generic path is exact; this m
 
 from hf_accel.patches.base import FamilyPatch
 
-PATCH = FamilyPatch()
+# Gemma's "gemma" norm formula. Not listed: Gemma2MLP (GELU-tanh).
+PATCH = FamilyPatch(
+    rms_norms={"Gemma2RMSNorm": "gemma"},
+)

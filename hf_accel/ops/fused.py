@@ -8,10 +8,10 @@ cast, mul) and `act_fn(gate) * up` two more, each a launch and a round trip thro
 
 The kernels round where the stock forwards round (the norm to the input dtype before the weight for Llama style,
 after `1 + weight` for Gemma style; SiLU to the gate's dtype before the product with `up`), so results equal stock up
-to the order of float reductions. Only classes whose forward was checked against one of those formulas are listed,
-and only classes defined by transformers itself (remote-code copies may differ). When the gate and up weights are
-consecutive rows of one storage (`compilation.linear_packing.pack_sibling_linears` arranges that), both are one GEMM
-over a view of the packed block.
+to the order of float reductions. Only classes whose forward was checked against one of those formulas are listed (by
+the family modules in hf_accel.patches), and only classes defined by transformers itself (remote-code copies may
+differ). When the gate and up weights are consecutive rows of one storage (`compilation.linear_packing.
+pack_sibling_linears` arranges that), both are one GEMM over a view of the packed block.
 
 A patched forward falls back to the class forward whenever the fused one would not be equivalent or is not wanted:
 outside an engine step (a plain forward, training and evaluation run the stock modules), autograd needs the result,
@@ -34,48 +34,20 @@ from torch import nn
 
 from hf_accel.attention.context import in_engine_step
 from hf_accel.compilation.linear_packing import consecutive_rows
+from hf_accel.patches import NORM_STYLES, fusable_mlps, fusable_norms
 
 logger = logging.getLogger(__name__)
 
-# class name -> "llama": `weight * norm(x.float()).to(x.dtype)`; "gemma": `(norm(x.float()) * (1 + weight.float()))
-# .type_as(x)`. Each forward was compared with those (tests/test_fused_ops.py checks every definition in the installed
-# transformers). Not listed: Olmo2/Olmo3/GptOss (`(weight * norm).to(x.dtype)`: another rounding point), Gemma3n/
-# Gemma4 (`* weight`, optional weight), Llama4Text (Llama's formula written another way, with `eps`: the source check
-# in the tests compares against LlamaRMSNorm's forward, so it is left out rather than special-cased).
-FUSABLE_NORMS: dict[str, str] = {
-    "LlamaRMSNorm": "llama",
-    "MistralRMSNorm": "llama",
-    "MixtralRMSNorm": "llama",
-    "Qwen2RMSNorm": "llama",
-    "Qwen2MoeRMSNorm": "llama",
-    "Qwen3RMSNorm": "llama",
-    "Qwen3MoeRMSNorm": "llama",
-    "Phi3RMSNorm": "llama",
-    "GraniteRMSNorm": "llama",
-    "GraniteMoeRMSNorm": "llama",
-    "DeepseekV3RMSNorm": "llama",
-    "SmolLM3RMSNorm": "llama",
-    "GemmaRMSNorm": "gemma",
-    "Gemma2RMSNorm": "gemma",
-    "Gemma3RMSNorm": "gemma",
-}
+# Which classes are fusable is family knowledge: each `patches/<family>.py` declares its RMSNorms (class name ->
+# formula style, the styles documented in patches/base.py) and gated SiLU MLPs. A module is recognised by class name
+# whatever the model's model_type (families share classes), so these are the unions over all families, built once.
+FUSABLE_NORMS: dict[str, str] = fusable_norms()
+FUSABLE_MLPS: frozenset[str] = fusable_mlps()
 
-# forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))`; fused only when act_fn is SiLU (checked per module).
-# Not listed: Phi3MLP (one `gate_up_proj`, other attribute names), Gemma*MLP (GELU-tanh), Llama4TextMLP
-# (`activation_fn`), Olmo*MLP and others not checked here.
-FUSABLE_MLPS: frozenset[str] = frozenset({
-    "LlamaMLP",
-    "MistralMLP",
-    "Qwen2MLP",
-    "Qwen2MoeMLP",
-    "Qwen3MLP",
-    "Qwen3MoeMLP",
-    "GraniteMLP",
-    "DeepseekV3MLP",
-    "SmolLM3MLP",
-})
-
+# the attribute each style's module keeps its epsilon in; one entry per style in patches.base.NORM_STYLES
 _EPS_ATTR = {"llama": "variance_epsilon", "gemma": "eps"}
+if set(_EPS_ATTR) != set(NORM_STYLES):
+    raise ImportError(f"norm styles {sorted(NORM_STYLES)} and their kernel wiring {sorted(_EPS_ATTR)} disagree")
 _MARK = "_hf_accel_fused"  # set on every fused forward function: how uninstall recognises ours
 
 
