@@ -387,13 +387,24 @@ def _exclusive_call(model, state: AccelState) -> Iterator[AccelState]:
     """
     tid = threading.get_ident()
     with state.lock:
+        live = model.__dict__.get(_STATE)
+        if live is not state:  # restored (None: the caller runs stock) or rebuilt while this call waited
+            if live is None:
+                yield None
+                return
+            with _exclusive_call(model, live) as current:
+                yield current
+            return
         state.running_threads[tid] = state.running_threads.get(tid, 0) + 1
         try:
             if state.running_threads[tid] == 1 and state.engine.sync_with_model():
-                logger.warning("hf_accel: %s changed since accelerate_model() (parameters replaced or added, or "
-                               "adapters switched, disabled or merged); compiling it again for the new structure",
+                logger.warning("hf_accel: %s changed since accelerate_model() (attention implementation, dtype, "
+                               "device, parameters, modules or adapters); accelerating it again for the new model",
                                type(model).__name__)
+                chosen = model.config._attn_implementation  # the user's own switch, if any, is kept
                 _restore_locked(model, state)
+                if not is_ours(chosen) and chosen != model.config._attn_implementation:
+                    model.set_attn_implementation(chosen)
                 accelerate_model(model, config=state.config)
                 new_state: AccelState = model.__dict__[_STATE]
                 with _exclusive_call(model, new_state) as current:
@@ -436,7 +447,9 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
     if inputs is not None and input_ids is not None:
         raise ValueError("pass the prompt either as `inputs` or as `input_ids`, not both")
     input_ids = inputs if inputs is not None else input_ids
-    _check_token_dtype(self, input_ids)
+    if isinstance(input_ids, torch.Tensor) and input_ids.dtype not in (torch.int64, torch.int32):
+        # token ids must be integers: stock generate() raises its own error for anything else, so let it
+        return type(self).generate(self, **stock_args)
     # the same test stock generate() makes, on the raw arguments: no max_length anywhere -> 20 *new* tokens
     has_default_max_length = (kwargs.get("max_length") is None
                               and (generation_config is None or generation_config.max_length is None)
@@ -447,6 +460,8 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
                                                  negative_prompt_ids=negative_prompt_ids,
                                                  stopping_criteria=stopping_criteria,
                                                  num_rows=_num_rows(input_ids)))
+    if reason is None and _per_row_adapters(self):
+        reason = "per-row PEFT adapters (adapter_names)"
     if reason is None and state is None:
         reason = "a copy of an accelerated model (accelerate_model(copy) to accelerate it)"
     if reason is None and input_ids is None:
@@ -455,17 +470,17 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
         _warn_stock(state, reason)
         return type(self).generate(self, **stock_args)
     with _exclusive_call(self, state) as current:
+        if current is None:  # restore()d while this call waited for the previous one
+            return type(self).generate(self, **stock_args)
         return current.generator.generate(input_ids, gc, model_kwargs, logits_processor, stopping_criteria, streamer,
                                           tokenizer=tokenizer, has_default_max_length=has_default_max_length)
 
 
-def _check_token_dtype(model, input_ids) -> None:
-    """Token ids must be integers (int64 or int32), as the embedding lookup of stock generate() requires: anything
-    else raises the very error stock raises, from the same check, instead of being truncated to integers."""
-    if isinstance(input_ids, torch.Tensor) and input_ids.dtype not in (torch.int64, torch.int32):
-        weight = model.get_input_embeddings().weight
-        torch.nn.functional.embedding(input_ids.reshape(-1)[:1], weight[:1])
-        raise TypeError(f"input_ids must hold integer token ids (int64 or int32), got {input_ids.dtype}")
+def _per_row_adapters(model) -> bool:
+    """PEFT's `generate(adapter_names=[...])` (one adapter per row) works through forward pre-hooks on its tuner
+    layers that pass each row's adapter; the engine packs all rows into one sequence, so such calls run stock."""
+    return any(m._forward_pre_hooks and hasattr(m, "active_adapters") and hasattr(m, "merged_adapters")
+               for m in model.modules())
 
 
 def _num_rows(input_ids) -> int:
@@ -491,4 +506,7 @@ def _accelerated_generate_batch(self, inputs: list[list[int]], generation_config
     if kwargs:
         logger.warning("hf_accel generate_batch ignores unsupported keyword arguments %s", sorted(kwargs))
     with _exclusive_call(self, state) as current:
+        if current is None:  # restore()d while this call waited for the previous one
+            return type(self).generate_batch(self, inputs, generation_config=generation_config,
+                                              progress_bar=progress_bar, max_new_tokens=max_new_tokens, **kwargs)
         return current.generator.generate_batch(inputs, generation_config, progress_bar, max_new_tokens)

@@ -243,7 +243,7 @@ def test_compiled_engine_rebuilt_when_an_adapter_is_added(caplog):
     accel = lora(base)
     with caplog.at_level(logging.WARNING, logger="hf_accel"):
         assert torch.equal(run(accel), run(stock))
-    assert "compiling it again" in caplog.text
+    assert "accelerating it again" in caplog.text
     assert base._hf_accel_state.engine.runner.piecewise is not None
     restore(accel)
 
@@ -396,4 +396,111 @@ def test_deep_copy_of_an_accelerated_model_is_a_stock_model():
     assert torch.equal(run(ref), run(stock)) and engine_info(ref)["attention_backend"] == "torch"
     restore(ref)
     assert "generate" not in ref.__dict__ and ref.config._attn_implementation == stock.config._attn_implementation
+    restore(accel)
+
+
+# -- found by a hostile review -------------------------------------------------------------------------------------
+def test_call_queued_behind_restore_runs_stock():
+    """A generate() that waits for the running call while restore() is also waiting must not run on the freed
+    engine: it runs stock (or on the new engine after a re-accelerate)."""
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock))
+    ids, mask = batch()
+    want = stock.generate(input_ids=ids, attention_mask=mask, **GEN)
+    for then_reaccelerate in (False, True):
+        streamer = _GateStreamer()
+        results: dict = {}
+
+        def first_call(streamer=streamer, results=results):
+            results["first"] = accel.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **GEN)
+
+        def restorer(then_reaccelerate=then_reaccelerate):
+            restore(accel)
+            if then_reaccelerate:
+                accelerate_model(accel)
+
+        def queued_call(results=results):
+            results["queued"] = accel.generate(input_ids=ids, attention_mask=mask, **GEN)
+
+        first = threading.Thread(target=first_call)
+        first.start()
+        assert streamer.started.wait(30)
+        r = threading.Thread(target=restorer)
+        r.start()
+        r.join(0.3)
+        queued = threading.Thread(target=queued_call)
+        queued.start()
+        queued.join(0.3)
+        streamer.release.set()
+        for t in (first, r, queued):
+            t.join(60)
+        assert torch.equal(results["first"], want) and torch.equal(results["queued"], want), then_reaccelerate
+        if not then_reaccelerate:
+            accelerate_model(accel)
+    restore(accel)
+
+
+def test_attention_implementation_switched_after_accelerate():
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock))
+    run(accel)
+    accel.set_attn_implementation("eager")
+    stock.set_attn_implementation("eager")
+    assert torch.equal(run(accel), run(stock))
+    assert engine_info(accel)["attention_backend"] == "torch"  # rebuilt, plain forwards now route to eager
+    restore(accel)
+    assert accel.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("edit", ["act_fn", "eps", "rope_buffer", "module_swapped"])
+def test_prefix_cache_dropped_for_non_parameter_changes(pair, edit):
+    stock, accel = pair
+    run(accel)
+
+    def apply(m):
+        layer = m.model.layers[0]
+        if edit == "act_fn":
+            layer.mlp.act_fn = torch.nn.ReLU()
+        elif edit == "eps":
+            layer.input_layernorm.variance_epsilon = 0.5
+        elif edit == "rope_buffer":
+            m.model.rotary_emb.inv_freq.data.mul_(0.5)
+        else:
+            class MyLinear(torch.nn.Linear):
+                def forward(self, x):
+                    return super().forward(x) * 2
+
+            old = layer.mlp.down_proj
+            new = MyLinear(old.in_features, old.out_features, bias=False)
+            new.weight = old.weight
+            layer.mlp.down_proj = new
+
+    apply(stock)
+    apply(accel)
+    before = hits(accel)
+    assert torch.equal(run(accel), run(stock))
+    assert hits(accel) == before
+
+
+def test_dtype_cast_after_accelerate_rebuilds_the_engine():
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock))
+    run(accel)
+    accel.to(torch.bfloat16)
+    stock.to(torch.bfloat16)
+    run(accel)
+    assert accel._hf_accel_state.engine.kv_caches[0][0].dtype == torch.bfloat16
+    restore(accel)
+
+
+def test_peft_per_row_adapters_run_stock():
+    stock = lora(lora(make_llama(0), "a", seed=1), "b", seed=2)
+    accel = accelerate_model(lora(lora(make_llama(0), "a", seed=1), "b", seed=2))
+    stock.eval()
+    accel.eval()
+    ids, mask = left_pad([PROMPTS[0], PROMPTS[1]])
+    kw = dict(input_ids=ids, attention_mask=mask, adapter_names=["a", "b"], **GEN)
+    with pytest.warns(UserWarning, match="per-row PEFT adapters"):
+        got = accel.generate(**kw)
+    assert torch.equal(got, stock.generate(**kw))
     restore(accel)

@@ -13,7 +13,7 @@ from hf_accel.attention.backend import AttentionBackend, AttentionSpec, KVLayout
 from hf_accel.config import AccelConfig
 from hf_accel.engine.block_manager import BlockManager
 from hf_accel.engine.kv_cache import allocate_kv_cache, bytes_per_block
-from hf_accel.engine.model_state import prefix_key, structure_key
+from hf_accel.engine.model_state import engine_key, prefix_key, structure_key
 from hf_accel.engine.request import Request, RequestStatus
 from hf_accel.engine.runner import ModelRunner, engine_forward
 from hf_accel.engine.sampler import Sampler
@@ -120,6 +120,7 @@ class LLMEngine:
                     self.block_size, self.kv_cache_bytes / 2**30)
         self._next_id = 0
         self._structure = structure_key(model)
+        self._engine_key = engine_key(model)
         self._prefix_key: bytes | None = None  # set by sync_with_model() at the first call
         self._async = False  # set per run(): steps launched one ahead of the host
         self._depth = 0  # run() calls in progress (a streamer or stopping criterion may call generate() again)
@@ -133,13 +134,16 @@ class LLMEngine:
     def sync_with_model(self) -> bool:
         """At the start of a call, engine idle: compare the model with what the engine was built for.
 
-        Returns True when the structure changed (parameters replaced or added, PEFT adapters switched, disabled or
-        merged, forward hooks added) and compiled code is stale: the caller rebuilds the engine. Otherwise drops
+        Returns True when the engine must be rebuilt: the attention implementation was switched or the parameters'
+        dtype or device changed, or the structure changed (parameters replaced or added, modules swapped, PEFT
+        adapters switched, disabled or merged, forward hooks added) under compiled code. Otherwise drops
         the cached prefixes whenever their key (structure, versions and, by default, weight contents) changed, so
         a prefix is never served with KV computed under other weights or adapters (engine/model_state.py).
         """
         if self.scheduler.has_work:
             raise RuntimeError("internal error: sync_with_model() on a busy engine")
+        if engine_key(self.model) != self._engine_key:
+            return True
         structure = structure_key(self.model)
         if structure != self._structure:
             if self.has_frozen_code:

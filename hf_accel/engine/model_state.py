@@ -6,14 +6,18 @@ Two questions are asked at the start of every call on an idle engine:
    run, which PEFT adapters are active or disabled or merged) and read parameters at fixed addresses. The
    *structure key* covers exactly that: every parameter's identity, address, shape and dtype, and the adapter
    state of every PEFT tuner layer. When it changes, compiled code must be rebuilt (`api` re-accelerates).
+   The *engine key* (attention implementation names, parameters' dtype and device) must hold even without compiled
+   code: the KV cache and the backend were built for it.
 2. Can cached prefixes be reused? Their KV was computed under some weights. The *prefix key* is the structure key
-   plus the weights' contents, so any change (an optimizer step, `load_state_dict`, an edit through `.data` that
-   bypasses version counters, a PEFT adapter switched, disabled, merged or rescaled, a dtype cast) gives a new key,
-   and the engine drops the cached prefixes.
+   plus modules' scalar attributes, buffers and the weights' contents, so any change (an optimizer step,
+   `load_state_dict`, an edit through `.data` that bypasses version counters, a PEFT adapter switched, disabled,
+   merged or rescaled, a dtype cast) gives a new key, and the engine drops the cached prefixes.
 
 Content is read by `weights_digest` (see there) unless `AccelConfig.prefix_cache_weight_check` is "version",
 which trusts parameters' in-place version counters (free, but blind to `.data` edits and to PEFT's merge, which
-writes through `.data`). Buffers are left out on purpose: model code swaps some itself (dynamic RoPE tables).
+writes through `.data`). Compiled code also froze modules' scalar attributes (an epsilon, a scaling): changing one
+invalidates cached prefixes but does not rebuild the compiled code (model code changes some of them itself, e.g.
+dynamic RoPE); call `accelerate_model(model)` again after such an edit.
 """
 
 from __future__ import annotations
@@ -39,18 +43,44 @@ def _adapter_state(module: torch.nn.Module) -> tuple:
     return (tuple(module.active_adapters), bool(module.disable_adapters), tuple(module.merged_adapters), scaling)
 
 
+def engine_key(model: torch.nn.Module) -> tuple:
+    """What the engine itself was built for, compiled or not: the attention implementation every config names (ours
+    routes to the paged cache; another one, set after accelerate_model, would not), the parameters' dtype (the KV
+    cache and the backend were chosen for it) and device."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                          "_attn_implementation")}
+    first = next(model.parameters())
+    return tuple(sorted(str(c._attn_implementation) for c in configs.values())), first.dtype, str(first.device)
+
+
 def structure_key(model: torch.nn.Module) -> tuple:
-    """Everything compiled code froze: parameters (identity, address, shape, dtype, device), the adapter state of
-    every PEFT tuner layer, and which modules carry forward hooks (PEFT's per-call `adapter_names` uses them)."""
+    """Everything compiled code froze: parameters (identity, address, shape, dtype, device), every module's class,
+    the adapter state of every PEFT tuner layer, and which modules carry forward hooks."""
     params = tuple((name, id(p), p.data_ptr(), tuple(p.shape), p.dtype, str(p.device))
                    for name, p in model.named_parameters())
     modules = []
     for name, m in model.named_modules():
+        modules.append((name, id(m), type(m).__module__, type(m).__qualname__))
         if _is_tuner_layer(m):
             modules.append((name, _adapter_state(m)))
         if m._forward_hooks or m._forward_pre_hooks:
             modules.append((name, "hooks", len(m._forward_hooks), len(m._forward_pre_hooks)))
     return params, tuple(modules)
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def attribute_key(model: torch.nn.Module) -> tuple:
+    """Plain values the forward reads besides tensors: every module's scalar attributes (norm epsilons, attention
+    scaling, window sizes, the training flag) and its buffers' addresses and versions (RoPE tables)."""
+    out = []
+    for name, m in model.named_modules():
+        scalars = tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, _SCALARS)
+                               and not k.startswith("_")))
+        buffers = tuple((k, b.data_ptr(), b._version, b.dtype) for k, b in m._buffers.items() if b is not None)
+        out.append((name, scalars, buffers))
+    return tuple(out)
 
 
 def version_key(model: torch.nn.Module) -> tuple:
@@ -81,7 +111,9 @@ def weights_digest(params: Iterable[torch.Tensor]) -> bytes:
     weights. Changing one element changes its row sum; moving values between rows or between columns (a flip, a
     roll, a transpose of a square weight) changes the position-weighted sums. Two reductions per tensor, read at
     memory speed, one host sync at the end for the whole model. A tensor that cannot be viewed as integers (a
-    quantized tensor subclass) contributes its version counter instead.
+    quantized tensor subclass) contributes its version counter instead. Not a cryptographic hash: an edit crafted
+    to keep every row sum and every column sum of the raw bits (+d, -d, -d, +d at the corners of a rectangle) is
+    not seen; ordinary edits (scaling, adding a delta, copying other weights, any single element) are.
     """
     parts: list[torch.Tensor] = []
     fallback: list[int] = []
@@ -106,10 +138,13 @@ def weights_digest(params: Iterable[torch.Tensor]) -> bytes:
 
 
 def prefix_key(model: torch.nn.Module, structure: tuple, check: str) -> bytes:
-    """The key cached prefixes are valid under: structure + versions, plus contents unless `check` is "version"."""
+    """The key cached prefixes are valid under: structure, scalar attributes, versions, plus the contents of
+    parameters and buffers unless `check` is "version"."""
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(structure).encode())
+    h.update(repr(attribute_key(model)).encode())
     h.update(repr(version_key(model)).encode())
     if check == "content":
         h.update(weights_digest(p for _, p in model.named_parameters()))
+        h.update(weights_digest(b for _, b in model.named_buffers()))
     return h.digest()
