@@ -121,7 +121,7 @@ class LLMEngine:
         self._next_id = 0
         self._structure = structure_key(model)
         self._engine_key = engine_key(model)
-        self._prefix_key: bytes | None = None  # set by sync_with_model() at the first call
+        self._prefix_key: tuple | None = None  # set by sync_with_model() at the first call
         self._async = False  # set per run(): steps launched one ahead of the host
         self._depth = 0  # run() calls in progress (a streamer or stopping criterion may call generate() again)
         self._inflight: _InFlight | None = None
