@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from hf_accel import accelerate_model, restore
-from hf_accel.engine.model_state import prefix_key, structure_key
+from hf_accel.engine.model_state import prefix_key, take_snapshot
 
 SHAPES = {
     "qwen3-0.6b": lambda: transformers.Qwen3Config(
@@ -80,12 +80,11 @@ def loop(model, mode: str, iters: int, prompts: torch.Tensor, new: int, train_id
 
 def digest_cost(shape: str, repeats: int = 5, w1: bool = True) -> dict:
     model = build(shape)
-    structure = structure_key(model)
     out = {}
     for check in ("version", "content"):
-        prefix_key(model, structure, check)
+        prefix_key(take_snapshot(model), check)
         out[f"{check}_ms"] = 1e3 * statistics.median(
-            sync_time(lambda c=check: prefix_key(model, structure_key(model), c)) for _ in range(repeats))
+            sync_time(lambda c=check: prefix_key(take_snapshot(model), c)) for _ in range(repeats))
     if not w1:
         return out
     accelerate_model(model)

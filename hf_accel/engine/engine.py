@@ -13,7 +13,7 @@ from hf_accel.attention.backend import AttentionBackend, AttentionSpec, KVLayout
 from hf_accel.config import AccelConfig
 from hf_accel.engine.block_manager import BlockManager
 from hf_accel.engine.kv_cache import allocate_kv_cache, bytes_per_block
-from hf_accel.engine.model_state import engine_key, prefix_key, structure_key
+from hf_accel.engine.model_state import prefix_key, take_snapshot
 from hf_accel.engine.request import Request, RequestStatus
 from hf_accel.engine.runner import ModelRunner, engine_forward
 from hf_accel.engine.sampler import Sampler
@@ -119,8 +119,9 @@ class LLMEngine:
         logger.info("hf_accel: %s attention, %d KV blocks of %d tokens (%.2f GiB)", backend_cls.name, num_blocks,
                     self.block_size, self.kv_cache_bytes / 2**30)
         self._next_id = 0
-        self._structure = structure_key(model)
-        self._engine_key = engine_key(model)
+        snapshot = take_snapshot(model)
+        self._structure = snapshot.structure
+        self._engine_key = snapshot.engine
         self._prefix_key: tuple | None = None  # set by sync_with_model() at the first call
         self._async = False  # set per run(): steps launched one ahead of the host
         self._depth = 0  # run() calls in progress (a streamer or stopping criterion may call generate() again)
@@ -142,15 +143,15 @@ class LLMEngine:
         """
         if self.scheduler.has_work:
             raise RuntimeError("internal error: sync_with_model() on a busy engine")
-        if engine_key(self.model) != self._engine_key:
+        snapshot = take_snapshot(self.model)
+        if snapshot.engine != self._engine_key:
             return True
-        structure = structure_key(self.model)
-        if structure != self._structure:
+        if snapshot.structure != self._structure:
             if self.has_frozen_code:
                 return True
-            self._structure = structure
+            self._structure = snapshot.structure
         if self.cfg.enable_prefix_caching:
-            key = prefix_key(self.model, structure, self.cfg.prefix_cache_weight_check)
+            key = prefix_key(snapshot, self.cfg.prefix_cache_weight_check)
             if key != self._prefix_key:
                 if self._prefix_key is not None and self.block_manager.cached:
                     logger.info("hf_accel: the model's weights or adapters changed; the prefix cache was cleared")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -41,49 +42,57 @@ def _adapter_state(module: torch.nn.Module) -> tuple:
     return (tuple(module.active_adapters), bool(module.disable_adapters), tuple(module.merged_adapters), scaling)
 
 
-def engine_key(model: torch.nn.Module) -> tuple:
-    """What the engine itself was built for, compiled or not: the attention implementation every config names (ours
-    routes to the paged cache; another one, set after accelerate_model, would not), the parameters' dtype (the KV
-    cache and the backend were chosen for it) and device."""
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
-                                                                          "_attn_implementation")}
-    first = next(model.parameters())
-    return tuple(sorted(str(c._attn_implementation) for c in configs.values())), first.dtype, str(first.device)
+_SCALAR_TYPES = frozenset({bool, int, float, str, type(None)})
 
 
-def structure_key(model: torch.nn.Module) -> tuple:
-    """Everything compiled code froze: parameters (identity, address, shape, dtype, device), every module's class,
-    the adapter state of every PEFT tuner layer, and which modules carry forward hooks."""
-    params = tuple((name, id(p), p.data_ptr(), tuple(p.shape), p.dtype, str(p.device))
-                   for name, p in model.named_parameters())
-    modules = []
+@dataclass
+class ModelSnapshot:
+    """The model as the engine sees it at the start of a call, from one walk over its modules.
+
+    engine: the attention implementation every config names (ours routes to the paged cache; another one, set after
+    accelerate_model, would not), the parameters' dtype and device (the KV cache and backend were chosen for them).
+    structure: what compiled code froze: every parameter's identity, address, shape, dtype and device, every
+    module's identity and class, each PEFT tuner layer's adapter state, and which modules carry forward hooks.
+    attributes: plain values the forward reads besides tensors: modules' public scalar attributes (norm epsilons,
+    attention scaling, window sizes, the training flag) and buffers' addresses and versions (RoPE tables).
+    versions: the parameters' in-place version counters. tensors: parameters and buffers, for the content digest.
+    """
+
+    engine: tuple
+    structure: tuple
+    attributes: tuple
+    versions: tuple
+    tensors: list[torch.Tensor]
+
+
+def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
+    params, modules, attributes, versions, tensors = [], [], [], [], []
+    implementations: dict[int, str] = {}
+    seen: set[int] = set()
     for name, m in model.named_modules():
-        modules.append((name, id(m), type(m).__module__, type(m).__qualname__))
+        modules.append((name, id(m), type(m)))
         if _is_tuner_layer(m):
             modules.append((name, _adapter_state(m)))
         if m._forward_hooks or m._forward_pre_hooks:
             modules.append((name, "hooks", len(m._forward_hooks), len(m._forward_pre_hooks)))
-    return params, tuple(modules)
-
-
-_SCALARS = (bool, int, float, str, type(None))
-
-
-def attribute_key(model: torch.nn.Module) -> tuple:
-    """Plain values the forward reads besides tensors: every module's scalar attributes (norm epsilons, attention
-    scaling, window sizes, the training flag) and its buffers' addresses and versions (RoPE tables)."""
-    out = []
-    for name, m in model.named_modules():
-        scalars = tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, _SCALARS)
-                               and not k.startswith("_")))
+        cfg = m.__dict__.get("config")
+        if cfg is not None and id(cfg) not in implementations and hasattr(cfg, "_attn_implementation"):
+            implementations[id(cfg)] = str(cfg._attn_implementation)
+        for p in m._parameters.values():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            params.append((id(p), p.data_ptr(), p.shape, p.dtype, p.device))
+            versions.append(p._version)
+            tensors.append(p)
+        scalars = tuple((k, v) for k, v in m.__dict__.items() if type(v) in _SCALAR_TYPES and k[0] != "_")
         buffers = tuple((k, b.data_ptr(), b._version, b.dtype) for k, b in m._buffers.items() if b is not None)
-        out.append((name, scalars, buffers))
-    return tuple(out)
-
-
-def version_key(model: torch.nn.Module) -> tuple:
-    """In-place version counters of every parameter (cheap; blind to writes through `.data`)."""
-    return tuple(p._version for p in model.parameters())
+        attributes.append((scalars, buffers))
+        tensors.extend(b for b in m._buffers.values() if b is not None)
+    first = params[0] if params else (None, None, None, None, None)
+    engine = (tuple(sorted(implementations.values())), first[3], first[4])
+    return ModelSnapshot(engine=engine, structure=(tuple(params), tuple(modules)), attributes=tuple(attributes),
+                         versions=tuple(versions), tensors=tensors)
 
 
 _CHUNK_BYTES = 256 << 20  # bytes summed per reduction: few kernel launches, a bounded temporary
@@ -169,10 +178,8 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     return h.digest()
 
 
-def prefix_key(model: torch.nn.Module, structure: tuple, check: str) -> tuple:
+def prefix_key(snapshot: ModelSnapshot, check: str) -> tuple:
     """The key cached prefixes are valid under: structure, scalar attributes, versions, plus the contents of
     parameters and buffers unless `check` is "version". Compared as a tuple (no hashing of the host-side parts)."""
-    digest = b""
-    if check == "content":
-        digest = weights_digest([*(p for _, p in model.named_parameters()), *(b for _, b in model.named_buffers())])
-    return structure, attribute_key(model), version_key(model), digest
+    digest = weights_digest(snapshot.tensors) if check == "content" else b""
+    return snapshot.structure, snapshot.attributes, snapshot.versions, digest
