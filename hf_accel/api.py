@@ -42,6 +42,27 @@ from hf_accel.patches import family_patch
 
 logger = logging.getLogger("hf_accel")
 _STATE = "_hf_accel_state"
+_LOCK = "_hf_accel_lock"
+
+
+class _ModelLock:
+    """The lock of one model, held by each generate()/generate_batch() call for its whole run, by restore() and by
+    accelerate_model(). It lives on the model, not on one acceleration, so a rebuild in progress is never
+    interleaved with another entry point. Re-entrant: a streamer may call generate() again on the same thread (the
+    engine nests it). A deep copy or a pickle of the model gets a lock of its own."""
+
+    def __init__(self) -> None:
+        self.rlock = threading.RLock()
+
+    def __deepcopy__(self, memo) -> _ModelLock:
+        return _ModelLock()
+
+    def __reduce__(self):
+        return (_ModelLock, ())
+
+
+def model_lock(model) -> threading.RLock:
+    return model.__dict__.setdefault(_LOCK, _ModelLock()).rlock
 
 
 @dataclass
@@ -56,9 +77,7 @@ class AccelState:
     warned: set[str] = field(default_factory=set)
     packed_linears: PackRecord | None = None
     fused_ops: FusedRecord | None = None
-    # held by every generate()/generate_batch() call for its whole run, and by restore(): calls on one model run one
-    # after another, and restore() waits for the running one. Re-entrant: a streamer or stopping criterion may call
-    # generate() again on the same thread (the engine nests it)
+    # the model's lock (`model_lock`): calls on one model run one after another, restore() waits for the running one
     lock: threading.RLock = field(default_factory=threading.RLock)
     running_threads: dict[int, int] = field(default_factory=dict)  # thread id -> calls of that thread in progress
 
@@ -141,11 +160,21 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     """
     t0 = time.perf_counter()
     wrapper, model = model, base_model_of(model)
+    with model_lock(model):
+        _accelerate_locked(model, t0, attention_backend=attention_backend, cudagraph_mode=cudagraph_mode,
+                           cudagraph_capture_sizes=cudagraph_capture_sizes, compile=compile,
+                           enforce_eager=enforce_eager, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                           gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                           config=config)
+    return wrapper
+
+
+def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **options) -> None:
     _check_supported(model)
     # keyword arguments the caller actually passed win over `config`
     sig = inspect.signature(accelerate_model)
-    passed = {k: v for k, v in locals().items() if k in sig.parameters and k not in ("model", "config", "t0", "sig")
-              and v != sig.parameters[k].default}
+    passed = {k: v for k, v in options.items() if v != sig.parameters[k].default}
     cfg = (config or AccelConfig()).updated(**passed)
     device = _model_device(model)
     cfg = cfg.resolve_for(device)
@@ -196,7 +225,7 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
         raise
     state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
                        original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed,
-                       fused_ops=fused)
+                       fused_ops=fused, lock=model_lock(model))
     ci = engine.compile_info
     autotune_s = (autotune_info or {}).get("seconds", 0.0)
     state.startup = {"patch_s": patch_s - autotune_s, "select_s": select_s, "pack_s": pack_s, "autotune_s": autotune_s,
@@ -211,7 +240,6 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     state.startup["total_s"] = time.perf_counter() - t0
     logger.info("hf_accel: accelerated %s with the %s backend in %.1f s", type(model).__name__, backend_cls.name,
                 state.startup["total_s"])
-    return wrapper
 
 
 def _wants_fused_ops(cfg: AccelConfig, device: torch.device) -> bool:
@@ -303,16 +331,15 @@ def restore(model):
     running call (a streamer or stopping criterion of that call) it raises, since the call could not finish.
     """
     wrapper, model = model, base_model_of(model)
-    state: AccelState | None = model.__dict__.get(_STATE)
-    if state is None:
-        _strip_copied_patches(model)
-        return wrapper
-    if state.running_threads.get(threading.get_ident()):
-        raise RuntimeError("restore() was called from inside a running generate() of this model (a streamer, "
-                           "logits processor or stopping criterion); call it after generate() returns")
-    with state.lock:
-        if model.__dict__.get(_STATE) is state:
-            _restore_locked(model, state)
+    with model_lock(model):
+        state: AccelState | None = model.__dict__.get(_STATE)
+        if state is None:
+            _strip_copied_patches(model)
+            return wrapper
+        if state.running_threads.get(threading.get_ident()):
+            raise RuntimeError("restore() was called from inside a running generate() of this model (a streamer, "
+                               "logits processor or stopping criterion); call it after generate() returns")
+        _restore_locked(model, state)
     return wrapper
 
 
@@ -405,7 +432,13 @@ def _exclusive_call(model, state: AccelState) -> Iterator[AccelState]:
                 _restore_locked(model, state)
                 if not is_ours(chosen) and chosen != model.config._attn_implementation:
                     model.set_attn_implementation(chosen)
-                accelerate_model(model, config=state.config)
+                try:
+                    accelerate_model(model, config=state.config)
+                except Exception as exc:  # e.g. a dtype no backend runs: stay restored, serve this call stock
+                    logger.warning("hf_accel: could not accelerate the changed model again (%s: %s); it is restored "
+                                   "and this call runs stock generate()", type(exc).__name__, exc)
+                    yield None
+                    return
                 new_state: AccelState = model.__dict__[_STATE]
                 with _exclusive_call(model, new_state) as current:
                     yield current
@@ -436,6 +469,9 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
     step sees a switched model).
     """
     state: AccelState | None = self.__dict__.get(_STATE)
+    if state is None and _LOCK in self.__dict__:  # maybe mid-rebuild in another thread: wait for it, look again
+        with model_lock(self):
+            state = self.__dict__.get(_STATE)
     stock_args = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
                       stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
                       synced_gpus=synced_gpus, assistant_model=assistant_model, streamer=streamer,
@@ -460,6 +496,8 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
                                                  negative_prompt_ids=negative_prompt_ids,
                                                  stopping_criteria=stopping_criteria,
                                                  num_rows=_num_rows(input_ids)))
+    if reason is None and self.training and _has_active_dropout(self):
+        reason = "generation in training mode with dropout (stock applies it at every step)"
     if reason is None and _per_row_adapters(self):
         reason = "per-row PEFT adapters (adapter_names)"
     if reason is None and state is None:
@@ -474,6 +512,16 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
             return type(self).generate(self, **stock_args)
         return current.generator.generate(input_ids, gc, model_kwargs, logits_processor, stopping_criteria, streamer,
                                           tokenizer=tokenizer, has_default_max_length=has_default_max_length)
+
+
+def _has_active_dropout(model) -> bool:
+    """Dropout that a training-mode forward would apply: a Dropout module with p > 0, or a config rate (attention
+    dropout and the like, which attention functions take as an argument) above 0."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return any(("dropout" in k or "jitter" in k) and isinstance(v, float) and v > 0
+               for cfg in {id(model.config): model.config, id(text): text}.values() for k, v in vars(cfg).items())
 
 
 def _per_row_adapters(model) -> bool:

@@ -222,7 +222,8 @@ class EngineGenerator:
         deadline = time.monotonic() + gc.max_time if gc.max_time is not None else None
 
         n_ret = max(1, gc.num_return_sequences or 1)
-        base_seed = int(torch.randint(0, 2**62, (1,)).item())  # from the global RNG: torch.manual_seed reproduces
+        # from the global RNG (torch.manual_seed reproduces a call); greedy calls draw nothing, as stock's do not
+        base_seed = int(torch.randint(0, 2**62, (1,)).item()) if gc.do_sample else 0
         rows_cpu = input_ids.cpu()
         mask_cpu = attention_mask.cpu().bool()
         requests: list[Request] = []
@@ -297,7 +298,7 @@ class EngineGenerator:
         if max_new <= 0:
             raise ValueError(f"`max_new_tokens` must be greater than 0, but is {max_new}.")
         eos = frozenset(_eos_ids(gc))
-        base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        base_seed = int(torch.randint(0, 2**62, (1,)).item()) if gc.do_sample else 0
         max_pos = self.engine.shape.max_model_len
         requests, ids = [], []
         for i, prompt in enumerate(inputs):

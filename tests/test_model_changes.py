@@ -504,3 +504,125 @@ def test_peft_per_row_adapters_run_stock():
         got = accel.generate(**kw)
     assert torch.equal(got, stock.generate(**kw))
     restore(accel)
+
+
+# -- second hostile review ---------------------------------------------------------------------------------------
+def _edits():
+    """Changes to what the forward does that touch no parameter: each must be seen (cache dropped, compiled code
+    rebuilt). Applied to a stock and an accelerated copy alike."""
+
+    def hook_swap(m):
+        mlp = m.model.layers[0].mlp
+        if not hasattr(mlp, "_test_handle"):
+            mlp._test_handle = mlp.register_forward_hook(lambda mod, args, out: out * 2)
+        mlp._test_handle.remove()
+        mlp._test_handle = mlp.register_forward_hook(lambda mod, args, out: out * -1)
+
+    def instance_forward(m):
+        mlp = m.model.layers[1].mlp
+        plain = type(mlp).forward
+        mlp.forward = lambda x: plain(mlp, x) * 0.5
+
+    def buffer_replaced(m):
+        rope = m.model.rotary_emb
+        rope.register_buffer("inv_freq", rope.inv_freq * 0.7, persistent=False)
+
+    def scaling_attribute(m):
+        m.model.layers[0].self_attn.scaling = m.model.layers[0].self_attn.scaling * 1.5
+
+    return {"hook_swap": hook_swap, "instance_forward": instance_forward, "buffer_replaced": buffer_replaced,
+            "scaling_attribute": scaling_attribute}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_forward_changes_without_parameter_changes(compiled):
+    stock = make_llama(0, initializer_range=0.3)
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16, compile=compiled)
+    try:
+        assert torch.equal(run(accel), run(stock))
+        for name, edit in _edits().items():
+            edit(stock)
+            edit(accel)
+            assert torch.equal(run(accel), run(stock)), name
+    finally:
+        restore(accel)
+
+
+def test_class_forward_patched_after_accelerate(monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    stock = make_llama(0, initializer_range=0.3)
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16)
+    run(accel)
+    plain = LlamaMLP.forward
+    monkeypatch.setattr(LlamaMLP, "forward", lambda self, x: plain(self, x) * 0.25)  # a kernel-patching library
+    before = hits(accel)
+    assert torch.equal(run(accel), run(stock))
+    assert hits(accel) == before
+    restore(accel)
+
+
+def test_restore_during_a_rebuild_waits(monkeypatch):
+    from hf_accel import api
+
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock), compile=True)
+    run(accel)
+    rebuilding = threading.Event()
+    real = api.accelerate_model
+
+    def slow_accelerate(*args, **kwargs):
+        rebuilding.set()
+        import time
+
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "accelerate_model", slow_accelerate)
+    for m in (stock, accel):  # a replaced parameter: compiled code must be rebuilt
+        with torch.no_grad():
+            m.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(m.model.layers[0].mlp.up_proj.weight * 2)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("out", run(accel)))
+    worker.start()
+    assert rebuilding.wait(30)
+    restore(accel)  # must wait for the call (and its rebuild) to finish
+    assert not worker.is_alive()
+    worker.join()
+    assert torch.equal(result["out"], run(stock))
+    assert "_hf_accel_state" not in accel.__dict__ and accel.config._attn_implementation == "sdpa"
+
+
+def test_cast_to_a_dtype_no_backend_runs_falls_back_to_stock(caplog):
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock))
+    run(accel)
+    for m in (stock, accel):
+        m.double()
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        got = run(accel)
+    assert torch.equal(got, run(stock))
+    assert "could not accelerate the changed model again" in caplog.text
+    assert "_hf_accel_state" not in accel.__dict__
+
+
+def test_training_mode_with_dropout_runs_stock_and_greedy_draws_no_random_numbers():
+    stock = make_llama(0, attention_dropout=0.3)
+    accel = accelerate_model(copy.deepcopy(stock))
+    for m in (stock, accel):
+        m.train()
+    torch.manual_seed(3)
+    want = run(stock)
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning, match="training mode with dropout"):
+        got = run(accel)
+    assert torch.equal(got, want)
+    for m in (stock, accel):
+        m.eval()
+    torch.manual_seed(5)
+    run(stock)
+    after_stock = torch.rand(3)
+    torch.manual_seed(5)
+    run(accel)
+    assert torch.equal(torch.rand(3), after_stock), "a greedy call consumed the global RNG"
+    restore(accel)

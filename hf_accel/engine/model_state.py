@@ -15,9 +15,9 @@ Two questions are asked at the start of every call on an idle engine:
 
 Content is read by `weights_digest` (see there) unless `AccelConfig.prefix_cache_weight_check` is "version",
 which trusts parameters' in-place version counters (free, but blind to `.data` edits and to PEFT's merge, which
-writes through `.data`). Compiled code also froze modules' scalar attributes (an epsilon, a scaling): changing one
-invalidates cached prefixes but does not rebuild the compiled code (model code changes some of them itself, e.g.
-dynamic RoPE); call `accelerate_model(model)` again after such an edit.
+writes through `.data`). Compiled code also froze modules' scalar attributes (an epsilon, a scaling), buffers'
+identities, patched forwards and hooks: they are part of the structure, so changing one rebuilds it. The training
+flag is not: a call in training mode with dropout runs stock (api).
 """
 
 from __future__ import annotations
@@ -52,10 +52,14 @@ class ModelSnapshot:
     engine: the attention implementation every config names (ours routes to the paged cache; another one, set after
     accelerate_model, would not), the parameters' dtype and device (the KV cache and backend were chosen for them).
     structure: what compiled code froze: every parameter's identity, address, shape, dtype and device, every
-    module's identity and class, each PEFT tuner layer's adapter state, and which modules carry forward hooks.
+    module's identity, class and forward function (a patched class or instance forward counts), each PEFT tuner
+    layer's adapter state, every forward hook and pre-hook (which ones, not only how many), the global hooks, and
+    the attributes below.
     attributes: plain values the forward reads besides tensors: modules' public scalar attributes (norm epsilons,
-    attention scaling, window sizes, the training flag) and buffers' addresses and versions (RoPE tables).
-    versions: the parameters' in-place version counters. tensors: parameters and buffers, for the content digest.
+    attention scaling, window sizes; not the training flag) and buffers' identities and addresses (RoPE tables;
+    their contents are in the digest).
+    versions: the parameters' and buffers' in-place version counters.
+    tensors: parameters and buffers, for the content digest.
     """
 
     engine: tuple
@@ -70,11 +74,13 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
     implementations: dict[int, str] = {}
     seen: set[int] = set()
     for name, m in model.named_modules():
-        modules.append((name, id(m), type(m)))
+        # the forward that runs: the class's (patched classes included) or an instance attribute
+        own = m.__dict__.get("forward")
+        modules.append((name, id(m), type(m), type(m).forward, getattr(own, "__func__", own)))
         if _is_tuner_layer(m):
             modules.append((name, _adapter_state(m)))
         if m._forward_hooks or m._forward_pre_hooks:
-            modules.append((name, "hooks", len(m._forward_hooks), len(m._forward_pre_hooks)))
+            modules.append((name, "hooks", tuple(m._forward_hooks.items()), tuple(m._forward_pre_hooks.items())))
         cfg = m.__dict__.get("config")
         if cfg is not None and id(cfg) not in implementations and hasattr(cfg, "_attn_implementation"):
             implementations[id(cfg)] = str(cfg._attn_implementation)
@@ -85,14 +91,20 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
             params.append((id(p), p.data_ptr(), p.shape, p.dtype, p.device))
             versions.append(p._version)
             tensors.append(p)
-        scalars = tuple((k, v) for k, v in m.__dict__.items() if type(v) in _SCALAR_TYPES and k[0] != "_")
-        buffers = tuple((k, b.data_ptr(), b._version, b.dtype) for k, b in m._buffers.items() if b is not None)
+        # the training flag is left out: a call in training mode with dropout takes the stock path (api)
+        scalars = tuple((k, v) for k, v in m.__dict__.items() if type(v) in _SCALAR_TYPES and k[0] != "_"
+                        and k != "training")
+        buffers = tuple((k, id(b), b.data_ptr(), b.dtype) for k, b in m._buffers.items() if b is not None)
         attributes.append((scalars, buffers))
+        versions.extend(b._version for b in m._buffers.values() if b is not None)
         tensors.extend(b for b in m._buffers.values() if b is not None)
     first = params[0] if params else (None, None, None, None, None)
     engine = (tuple(sorted(implementations.values())), first[3], first[4])
-    return ModelSnapshot(engine=engine, structure=(tuple(params), tuple(modules)), attributes=tuple(attributes),
-                         versions=tuple(versions), tensors=tensors)
+    hooks = (len(torch.nn.modules.module._global_forward_hooks),
+             len(torch.nn.modules.module._global_forward_pre_hooks))
+    # compiled code froze the scalar attributes and buffer identities too: they are part of the structure
+    return ModelSnapshot(engine=engine, structure=(tuple(params), tuple(modules), tuple(attributes), hooks),
+                         attributes=tuple(attributes), versions=tuple(versions), tensors=tensors)
 
 
 _CHUNK_BYTES = 256 << 20  # bytes summed per reduction: few kernel launches, a bounded temporary
