@@ -8,6 +8,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 P="-q -p no:cacheprovider -rs --durations=5"
+export HF_ACCEL_TEST_REPORT="$OUT/fp32.jsonl"  # the GPU A/B's float32 agreement, one JSON line per case
 XDIST=""; python3 -c "import xdist" 2>/dev/null && XDIST="-n 6"  # pytest-xdist, where the machine has it
 case "${1:-tests}" in
   tests)  # every GPU test, then the torch backend's W1/W2 (the yardstick: too slow for the bench round)
@@ -59,6 +60,10 @@ case "${1:-tests}" in
         --no-progress --json "$OUT/backend-$b.json" >"$OUT/backend-$b.log" 2>&1
     done
     tail -n 22 "$OUT/llama.log"; for b in flashinfer flash_attn; do grep -E "hf_accel|guard" "$OUT/backend-$b.log"; done ;;
+  loop)  # RL-style loop (generate + AdamW step) against stock and re-accelerating, and the per-call weight-check cost
+    timeout 300 python3 examples/train_generate_loop.py --iters 2 --digest-8b --json "$OUT/loop.json" \
+      >"$OUT/loop.log" 2>&1
+    grep -vi warn "$OUT/loop.log" | tail -n 6 ;;
   selection)  # backend-selection parity alone: on a fresh machine FlashInfer JIT-compiles each head dim and each
     # soft-cap / window variant (about 75 s each); six workers build them side by side
     timeout 590 python3 -m pytest -m gpu $P -rA $XDIST tests/test_backend_selection.py >"$OUT/selection.log" 2>&1

@@ -23,22 +23,14 @@ import torch
 import transformers
 
 from hf_accel import accelerate_model, restore
+from hf_accel.bench import shape_config
 from hf_accel.engine.model_state import prefix_key, take_snapshot
-
-SHAPES = {
-    "qwen3-0.6b": lambda: transformers.Qwen3Config(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
-    "llama-3.1-8b": lambda: transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000),
-}
 
 
 def build(shape: str) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(SHAPES[shape](), dtype=torch.bfloat16).eval()
+        model = transformers.AutoModelForCausalLM.from_config(shape_config(shape), dtype=torch.bfloat16).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model
