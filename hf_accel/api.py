@@ -404,13 +404,14 @@ def engine_info(model) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _exclusive_call(model, state: AccelState) -> Iterator[AccelState]:
-    """Hold the model's call lock for one generate()/generate_batch() call and bring the engine up to date.
+def _exclusive_call(model, state: AccelState) -> Iterator[AccelState | None]:
+    """Hold the model's lock for one generate()/generate_batch() call and bring the engine up to date.
 
-    On an idle engine (not a nested call) the engine compares the model with what it was built for: weights or
-    adapters that changed drop the cached prefixes; a changed structure with compiled code in place (parameters
-    replaced, PEFT adapters added, switched, disabled or merged) rebuilds the acceleration with the same options,
-    and the call runs on the new engine.
+    Yields the state the call runs on, or None when the call must run stock (the model was restored while the call
+    waited, or could not be accelerated again). On an idle engine (not a nested call) the engine compares the model
+    with what it was built for (`LLMEngine.sync_with_model`): weights or adapters that changed drop the cached
+    prefixes; a changed structure under compiled code, or a switched attention implementation, dtype or device,
+    rebuilds the acceleration with the same options, and the call runs on the new engine.
     """
     tid = threading.get_ident()
     with state.lock:
