@@ -81,11 +81,19 @@ class AccelState:
     lock: threading.RLock = field(default_factory=threading.RLock)
     running_threads: dict[int, int] = field(default_factory=dict)  # thread id -> calls of that thread in progress
 
+    def __reduce__(self):
+        """Pickled (torch.save of the whole model), the state is dropped as in a deep copy: no engine is saved."""
+        return (_no_state, ())
+
     def __deepcopy__(self, memo) -> None:
         """A deep copy of an accelerated model (a frozen reference model in an RL loop) is a stock model with the
         same weights: it gets no engine of its own (no second KV cache); its generate() runs stock generate() and
         its forward the stock attention. accelerate_model(copy) accelerates it."""
         return None
+
+
+def _no_state() -> None:
+    return None
 
 
 def base_model_of(model):
@@ -469,10 +477,7 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
     attention and the modules are the stock ones, so nothing has to be switched back (and no other thread's engine
     step sees a switched model).
     """
-    state: AccelState | None = self.__dict__.get(_STATE)
-    if state is None and _LOCK in self.__dict__:  # maybe mid-rebuild in another thread: wait for it, look again
-        with model_lock(self):
-            state = self.__dict__.get(_STATE)
+    state: AccelState | None = _current_state(self)
     stock_args = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
                       stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
                       synced_gpus=synced_gpus, assistant_model=assistant_model, streamer=streamer,
@@ -497,7 +502,7 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
                                                  negative_prompt_ids=negative_prompt_ids,
                                                  stopping_criteria=stopping_criteria,
                                                  num_rows=_num_rows(input_ids)))
-    if reason is None and self.training and _has_active_dropout(self):
+    if reason is None and _has_active_dropout(self):
         reason = "generation in training mode with dropout (stock applies it at every step)"
     if reason is None and _per_row_adapters(self):
         reason = "per-row PEFT adapters (adapter_names)"
@@ -515,11 +520,31 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
                                           tokenizer=tokenizer, has_default_max_length=has_default_max_length)
 
 
+def _current_state(model) -> AccelState | None:
+    """The model's acceleration state; while another thread rebuilds it (state briefly absent), wait and look again."""
+    state = model.__dict__.get(_STATE)
+    if state is None and _LOCK in model.__dict__:
+        with model_lock(model):
+            state = model.__dict__.get(_STATE)
+    return state
+
+
 def _has_active_dropout(model) -> bool:
-    """Dropout that a training-mode forward would apply: a Dropout module with p > 0, or a config rate (attention
-    dropout and the like, which attention functions take as an argument) above 0."""
-    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
-        return True
+    """Dropout that a forward would apply now: a module in training mode that is a Dropout with p > 0 or holds a
+    dropout rate above 0 (attention modules pass `attention_dropout` to the attention function when training), or a
+    config dropout / jitter rate above 0 while any module trains."""
+    training = False
+    for m in model.modules():
+        if not m.training:
+            continue
+        training = True
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            if m.p > 0:
+                return True
+        elif any("dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
+            return True
+    if not training:
+        return False
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return any(("dropout" in k or "jitter" in k) and isinstance(v, float) and v > 0
                for cfg in {id(model.config): model.config, id(text): text}.values() for k, v in vars(cfg).items())
@@ -545,8 +570,9 @@ def _accelerated_generate_batch(self, inputs: list[list[int]], generation_config
     `continuous_batching_config`, `persistent_manager` and `warmup` are accepted and ignored: the engine is
     configured by accelerate_model() and already warm.
     """
-    state: AccelState | None = self.__dict__.get(_STATE)
-    if state is None:  # a copy of an accelerated model: stock
+    state: AccelState | None = _current_state(self)
+    if state is None:  # a copy of an accelerated model (stripped of our patches first: stock rejects our name)
+        _strip_copied_patches(self)
         return type(self).generate_batch(self, inputs, generation_config=generation_config,
                                           continuous_batching_config=continuous_batching_config,
                                           record_timestamps=record_timestamps, progress_bar=progress_bar,
@@ -559,3 +585,9 @@ def _accelerated_generate_batch(self, inputs: list[list[int]], generation_config
             return type(self).generate_batch(self, inputs, generation_config=generation_config,
                                               progress_bar=progress_bar, max_new_tokens=max_new_tokens, **kwargs)
         return current.generator.generate_batch(inputs, generation_config, progress_bar, max_new_tokens)
+
+
+# bound to a model as instance attributes, these pickle as `getattr(model, name)`: under these names a pickled
+# accelerated model comes back with the class's own (stock) methods, its state dropped (`AccelState.__reduce__`)
+_accelerated_generate.__name__ = "generate"
+_accelerated_generate_batch.__name__ = "generate_batch"

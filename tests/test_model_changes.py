@@ -626,3 +626,86 @@ def test_training_mode_with_dropout_runs_stock_and_greedy_draws_no_random_number
     run(accel)
     assert torch.equal(torch.rand(3), after_stock), "a greedy call consumed the global RNG"
     restore(accel)
+
+
+# -- third hostile review -----------------------------------------------------------------------------------------
+def test_copies_and_pickles_of_an_accelerated_model_are_stock():
+    import pickle
+
+    stock = make_llama(0)
+    accel = accelerate_model(copy.deepcopy(stock))
+    run(accel)
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    want = stock.generate_batch(prompts, max_new_tokens=4)
+    got = copy.deepcopy(accel).generate_batch(prompts, max_new_tokens=4)
+    assert [got[k].generated_tokens for k in sorted(got)] == [want[k].generated_tokens for k in sorted(want)]
+    loaded = pickle.loads(pickle.dumps(accel))
+    assert loaded.__dict__.get("_hf_accel_state") is None
+    assert torch.equal(run(loaded), run(stock))
+    accelerate_model(loaded)
+    assert torch.equal(run(loaded), run(stock))
+    restore(loaded)
+    restore(accel)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_config_values_read_by_the_forward(compiled):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    stock = MistralForCausalLM(MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
+                                             max_position_embeddings=256, sliding_window=8,
+                                             initializer_range=0.3)).eval()
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16, compile=compiled)
+    try:
+        assert torch.equal(run(accel), run(stock))
+        for value in (16, None):
+            for m in (stock, accel):
+                m.config.sliding_window = value
+            assert torch.equal(run(accel), run(stock)), value
+        for m in (stock, accel):
+            m.config.num_hidden_layers = 1  # the decoder loop reads it
+        assert torch.equal(run(accel), run(stock))
+    finally:
+        restore(accel)
+
+
+def test_global_hook_swapped():
+    stock = make_llama(0, initializer_range=0.3)
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16)
+    from torch.nn.modules.module import register_module_forward_hook
+
+    def scale(factor):
+        def hook(module, args, out):
+            return out * factor if type(module).__name__ == "LlamaMLP" else out
+        return hook
+
+    first = register_module_forward_hook(scale(2.0))
+    try:
+        assert torch.equal(run(accel), run(stock))
+        first.remove()
+        first = register_module_forward_hook(scale(-1.0))
+        assert torch.equal(run(accel), run(stock))
+    finally:
+        first.remove()
+        restore(accel)
+
+
+@pytest.mark.parametrize("case", ["submodule_training", "module_rate"])
+def test_dropout_anywhere_in_training_mode_runs_stock(case):
+    stock = make_llama(0, attention_dropout=0.3 if case == "submodule_training" else 0.0)
+    accel = accelerate_model(copy.deepcopy(stock))
+    for m in (stock, accel):
+        if case == "submodule_training":
+            m.model.train()  # the top module stays in eval mode
+        else:
+            m.train()
+            m.model.layers[0].self_attn.attention_dropout = 0.3
+    torch.manual_seed(3)
+    want = run(stock)
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning, match="training mode with dropout"):
+        got = run(accel)
+    assert torch.equal(got, want)
+    restore(accel)

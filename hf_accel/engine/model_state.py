@@ -50,7 +50,9 @@ class ModelSnapshot:
     """The model as the engine sees it at the start of a call, from one walk over its modules.
 
     engine: the attention implementation every config names (ours routes to the paged cache; another one, set after
-    accelerate_model, would not), the parameters' dtype and device (the KV cache and backend were chosen for them).
+    accelerate_model, would not) and the configs' plain values (read by forwards, and what the engine's attention
+    was sized from: a changed one rebuilds the engine in every mode), the parameters' dtype and device (the KV cache
+    and backend were chosen for them).
     structure: what compiled code froze: every parameter's identity, address, shape, dtype and device, every
     module's identity, class and forward function (a patched class or instance forward counts), each PEFT tuner
     layer's adapter state, every forward hook and pre-hook (which ones, not only how many), the global hooks, and
@@ -69,6 +71,20 @@ class ModelSnapshot:
     tensors: list[torch.Tensor]
 
 
+def _config_values(cfg) -> tuple:
+    """A config's public plain values (and lists of them): model code reads some in its forward (a sliding window,
+    a logit softcap, the layer count), and the engine sized its attention from them."""
+    out = []
+    for k, v in vars(cfg).items():
+        if k[0] == "_":
+            continue
+        if type(v) in _SCALAR_TYPES:
+            out.append((k, v))
+        elif isinstance(v, list | tuple) and all(type(x) in _SCALAR_TYPES for x in v):
+            out.append((k, tuple(v)))
+    return tuple(out)
+
+
 def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
     params, modules, attributes, versions, tensors = [], [], [], [], []
     implementations: dict[int, str] = {}
@@ -83,7 +99,7 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
             modules.append((name, "hooks", tuple(m._forward_hooks.items()), tuple(m._forward_pre_hooks.items())))
         cfg = m.__dict__.get("config")
         if cfg is not None and id(cfg) not in implementations and hasattr(cfg, "_attn_implementation"):
-            implementations[id(cfg)] = str(cfg._attn_implementation)
+            implementations[id(cfg)] = (str(cfg._attn_implementation), _config_values(cfg))
         for p in m._parameters.values():
             if p is None or id(p) in seen:
                 continue
@@ -99,9 +115,9 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
         versions.extend(b._version for b in m._buffers.values() if b is not None)
         tensors.extend(b for b in m._buffers.values() if b is not None)
     first = params[0] if params else (None, None, None, None, None)
-    engine = (tuple(sorted(implementations.values())), first[3], first[4])
-    hooks = (len(torch.nn.modules.module._global_forward_hooks),
-             len(torch.nn.modules.module._global_forward_pre_hooks))
+    engine = (tuple(implementations.values()), first[3], first[4])
+    hooks = (tuple(torch.nn.modules.module._global_forward_hooks.items()),
+             tuple(torch.nn.modules.module._global_forward_pre_hooks.items()))
     # compiled code froze the scalar attributes and buffer identities too: they are part of the structure
     return ModelSnapshot(engine=engine, structure=(tuple(params), tuple(modules), tuple(attributes), hooks),
                          attributes=tuple(attributes), versions=tuple(versions), tensors=tensors)
