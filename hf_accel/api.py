@@ -36,6 +36,7 @@ from hf_accel.attention.registry import (
 from hf_accel.compilation.linear_packing import PackRecord, pack_sibling_linears, unpack_sibling_linears
 from hf_accel.config import AccelConfig, CUDAGraphMode
 from hf_accel.engine.engine import LLMEngine, ModelShape
+from hf_accel.engine.model_state import is_tuner_layer
 from hf_accel.generation import EngineGenerator, stock_reason
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.patches import family_patch
@@ -77,8 +78,6 @@ class AccelState:
     warned: set[str] = field(default_factory=set)
     packed_linears: PackRecord | None = None
     fused_ops: FusedRecord | None = None
-    # the model's lock (`model_lock`): calls on one model run one after another, restore() waits for the running one
-    lock: threading.RLock = field(default_factory=threading.RLock)
     running_threads: dict[int, int] = field(default_factory=dict)  # thread id -> calls of that thread in progress
 
     def __reduce__(self):
@@ -233,7 +232,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
         raise
     state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
                        original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed,
-                       fused_ops=fused, lock=model_lock(model))
+                       fused_ops=fused)
     ci = engine.compile_info
     autotune_s = (autotune_info or {}).get("seconds", 0.0)
     state.startup = {"patch_s": patch_s - autotune_s, "select_s": select_s, "pack_s": pack_s, "autotune_s": autotune_s,
@@ -352,22 +351,25 @@ def restore(model):
 
 
 def _strip_copied_patches(model) -> None:
-    """What a deep copy of an accelerated model carries besides its (empty) state: our generate methods, our attention
-    name and the fused forwards (which run the stock modules outside an engine step anyway)."""
-    for name in ("generate", "generate_batch"):
-        fn = getattr(model.__dict__.get(name), "__func__", None)
-        if fn in (_accelerated_generate, _accelerated_generate_batch):
-            del model.__dict__[name]
+    """What a deep copy (or pickle) of an accelerated model carries besides its (empty) state: our generate methods,
+    our attention name and the fused forwards (which run the stock modules outside an engine step anyway)."""
     model.__dict__.pop(_STATE, None)
+    _unpatch_generate(model)
     if is_ours(getattr(model.config, "_attn_implementation", None)):
         model.set_attn_implementation(stock_implementation(model.config._attn_implementation))
     uninstall_fused_ops(FusedRecord(modules=list(model.modules())))
 
 
-def _restore_locked(model, state: AccelState) -> None:
+def _unpatch_generate(model) -> None:
+    """Drop the instance generate()/generate_batch() accelerate_model set (ours only: another library's own patch
+    of a never-accelerated model stays): the class's own methods show again."""
     for name in ("generate", "generate_batch"):
-        if name in model.__dict__:
+        if getattr(model.__dict__.get(name), "__func__", None) in (_accelerated_generate, _accelerated_generate_batch):
             del model.__dict__[name]
+
+
+def _restore_locked(model, state: AccelState) -> None:
+    _unpatch_generate(model)
     model.set_attn_implementation(state.original_attn_implementation)
     if state.fused_ops is not None:
         uninstall_fused_ops(state.fused_ops)
@@ -422,7 +424,7 @@ def _exclusive_call(model, state: AccelState) -> Iterator[AccelState | None]:
     rebuilds the acceleration with the same options, and the call runs on the new engine.
     """
     tid = threading.get_ident()
-    with state.lock:
+    with model_lock(model):
         live = model.__dict__.get(_STATE)
         if live is not state:  # restored (None: the caller runs stock) or rebuilt while this call waited
             if live is None:
@@ -553,8 +555,7 @@ def _has_active_dropout(model) -> bool:
 def _per_row_adapters(model) -> bool:
     """PEFT's `generate(adapter_names=[...])` (one adapter per row) works through forward pre-hooks on its tuner
     layers that pass each row's adapter; the engine packs all rows into one sequence, so such calls run stock."""
-    return any(m._forward_pre_hooks and hasattr(m, "active_adapters") and hasattr(m, "merged_adapters")
-               for m in model.modules())
+    return any(m._forward_pre_hooks and is_tuner_layer(m) for m in model.modules())
 
 
 def _num_rows(input_ids) -> int:

@@ -36,11 +36,6 @@ class _ThreadContext(threading.local):
 _local = _ThreadContext()
 
 
-def current_forward_context() -> ForwardContext | None:
-    """This thread's engine step, or None outside one."""
-    return _local.current
-
-
 @torch._dynamo.assume_constant_result
 def in_engine_step() -> bool:
     """Whether this thread is inside an engine step.

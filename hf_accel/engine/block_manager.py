@@ -37,7 +37,7 @@ def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
     return h.digest()
 
 
-def _unique(requests: Iterable[Request]) -> list[Request]:
+def unique_requests(requests: Iterable[Request]) -> list[Request]:
     """The requests, each once (a request may be listed twice while the scheduler moves it between queues)."""
     return list({id(r): r for r in requests}.values())
 
@@ -185,7 +185,7 @@ class BlockManager:
 
         Idempotent, and harmless when nothing leaked. Returns the number of blocks that were neither free nor held
         by a live request (leaked) and are free again."""
-        live = _unique(live_requests)
+        live = unique_requests(live_requests)
         counts = [0] * self.num_blocks
         for req in live:
             for block in req.block_ids:
@@ -221,7 +221,7 @@ class BlockManager:
             if not cond:  # not `assert`: this must hold under python -O too
                 raise AssertionError(msg)
 
-        live = _unique(live_requests)
+        live = unique_requests(live_requests)
         holders = [0] * self.num_blocks
         for req in live:
             check(len(set(req.block_ids)) == len(req.block_ids),

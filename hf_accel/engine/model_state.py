@@ -9,7 +9,7 @@ Two questions are asked at the start of every call on an idle engine:
    The *engine key* (attention implementation names, parameters' dtype and device) must hold even without compiled
    code: the KV cache and the backend were built for it.
 2. Can cached prefixes be reused? Their KV was computed under some weights. The *prefix key* is the structure key
-   plus modules' scalar attributes, buffers and the weights' contents, so any change (an optimizer step,
+   (modules' scalar attributes included) plus the buffers' and weights' contents, so any change (an optimizer step,
    `load_state_dict`, an edit through `.data` that bypasses version counters, a PEFT adapter switched, disabled,
    merged or rescaled, a dtype cast) gives a new key, and the engine drops the cached prefixes.
 
@@ -31,7 +31,7 @@ import torch
 _ODD = 0x9E3779B97F4A7C15 - (1 << 64)  # odd multiplier (int64) that spreads the position weights
 
 
-def _is_tuner_layer(m: torch.nn.Module) -> bool:
+def is_tuner_layer(m: torch.nn.Module) -> bool:
     """PEFT tuner layers (LoRA, IA3, ...) carry an adapter state. Duck-typed: no import of peft."""
     return hasattr(m, "active_adapters") and hasattr(m, "disable_adapters") and hasattr(m, "merged_adapters")
 
@@ -55,18 +55,16 @@ class ModelSnapshot:
     and backend were chosen for them).
     structure: what compiled code froze: every parameter's identity, address, shape, dtype and device, every
     module's identity, class and forward function (a patched class or instance forward counts), each PEFT tuner
-    layer's adapter state, every forward hook and pre-hook (which ones, not only how many), the global hooks, and
-    the attributes below.
-    attributes: plain values the forward reads besides tensors: modules' public scalar attributes (norm epsilons,
-    attention scaling, window sizes; not the training flag) and buffers' identities and addresses (RoPE tables;
-    their contents are in the digest).
+    layer's adapter state, every forward hook and pre-hook (which ones, not only how many), the global hooks, the
+    plain values the forward reads besides tensors (modules' public scalar attributes: norm epsilons, attention
+    scaling, window sizes; not the training flag) and buffers' identities and addresses (RoPE tables; their
+    contents are in the digest).
     versions: the parameters' and buffers' in-place version counters.
     tensors: parameters and buffers, for the content digest.
     """
 
     engine: tuple
     structure: tuple
-    attributes: tuple
     versions: tuple
     tensors: list[torch.Tensor]
 
@@ -86,14 +84,14 @@ def _config_values(cfg) -> tuple:
 
 
 def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
-    params, modules, attributes, versions, tensors = [], [], [], [], []
+    params, modules, attributes, versions, tensors = [], [], [], [], []  # attributes: part of the structure
     implementations: dict[int, str] = {}
     seen: set[int] = set()
     for name, m in model.named_modules():
         # the forward that runs: the class's (patched classes included) or an instance attribute
         own = m.__dict__.get("forward")
         modules.append((name, id(m), type(m), type(m).forward, getattr(own, "__func__", own)))
-        if _is_tuner_layer(m):
+        if is_tuner_layer(m):
             modules.append((name, _adapter_state(m)))
         if m._forward_hooks or m._forward_pre_hooks:
             modules.append((name, "hooks", tuple(m._forward_hooks.items()), tuple(m._forward_pre_hooks.items())))
@@ -118,9 +116,8 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
     engine = (tuple(implementations.values()), first[3], first[4])
     hooks = (tuple(torch.nn.modules.module._global_forward_hooks.items()),
              tuple(torch.nn.modules.module._global_forward_pre_hooks.items()))
-    # compiled code froze the scalar attributes and buffer identities too: they are part of the structure
     return ModelSnapshot(engine=engine, structure=(tuple(params), tuple(modules), tuple(attributes), hooks),
-                         attributes=tuple(attributes), versions=tuple(versions), tensors=tensors)
+                         versions=tuple(versions), tensors=tensors)
 
 
 _CHUNK_BYTES = 256 << 20  # bytes summed per reduction: few kernel launches, a bounded temporary
@@ -137,15 +134,8 @@ def _plain_bytes(t: torch.Tensor) -> torch.Tensor | None:
     return t.reshape(-1).view(torch.uint8)
 
 
-_weights_cache: dict[tuple[str, int], torch.Tensor] = {}
-
-
 def _position_weights(n: int, device: torch.device) -> torch.Tensor:
-    key = (str(device), n)
-    w = _weights_cache.get(key)
-    if w is None:
-        w = _weights_cache[key] = torch.arange(1, n + 1, dtype=torch.int64, device=device) * _ODD
-    return w
+    return torch.arange(1, n + 1, dtype=torch.int64, device=device) * _ODD
 
 
 def _chunk_sums(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -207,7 +197,7 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
 
 
 def prefix_key(snapshot: ModelSnapshot, check: str) -> tuple:
-    """The key cached prefixes are valid under: structure, scalar attributes, versions, plus the contents of
-    parameters and buffers unless `check` is "version". Compared as a tuple (no hashing of the host-side parts)."""
+    """The key cached prefixes are valid under: structure (scalar attributes included), versions, plus the contents
+    of parameters and buffers unless `check` is "version". Compared as a tuple (no hashing of the host-side parts)."""
     digest = weights_digest(snapshot.tensors) if check == "content" else b""
-    return snapshot.structure, snapshot.attributes, snapshot.versions, digest
+    return snapshot.structure, snapshot.versions, digest

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hf_accel.engine.block_manager import BlockManager
+from hf_accel.engine.block_manager import BlockManager, unique_requests
 from hf_accel.engine.request import Request, RequestStatus
 
 
@@ -62,7 +62,7 @@ class Scheduler:
 
     def live_requests(self) -> list[Request]:
         """Every request the scheduler holds (running or waiting), each once: the block holders."""
-        return list({id(r): r for r in (*self.running, *self.waiting)}.values())
+        return unique_requests((*self.running, *self.waiting))
 
     def _preempt_last(self, step: ScheduledStep) -> Request:
         """Preempt the most recently admitted running request. It joins the queue before it leaves `running`, so
