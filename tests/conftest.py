@@ -12,9 +12,18 @@ import copy
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, PreTrainedTokenizerFast
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from hf_accel import accelerate_model
+from hf_accel.engine.request import Request, SamplingParams
 
 VOCAB_SIZE = 200
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the tiny tokenizer's specials; the model's generation_config has eos 2, bos 1
@@ -114,3 +123,36 @@ def single_thread():
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()
+
+
+# -- engine parts driven directly ---------------------------------------------------------------------------------
+def make_request(rid: int, tokens, max_new: int = 4) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(tokens), max_new_tokens=max_new)
+
+
+def compute_all(bm, req: Request) -> None:
+    """Allocate and 'compute' the whole request, then register its full blocks."""
+    assert bm.ensure(req, req.num_tokens)
+    req.num_computed_tokens = req.num_tokens
+    bm.commit(req)
+
+
+# -- stock transformers' sampling processors ---------------------------------------------------------------------
+def stock_processors(sp: SamplingParams, prompt_len: int = 0, eos: tuple[int, ...] = (),
+                     device: str | torch.device = "cpu") -> LogitsProcessorList:
+    """transformers' own processors for one request, in generate()'s order."""
+    procs = LogitsProcessorList()
+    if sp.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(sp.repetition_penalty))
+    if sp.min_new_tokens and eos:
+        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, sp.min_new_tokens, list(eos), device=device))
+    if sp.do_sample:
+        if sp.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(sp.temperature))
+        if sp.top_k:
+            procs.append(TopKLogitsWarper(sp.top_k))
+        if sp.top_p < 1.0:
+            procs.append(TopPLogitsWarper(sp.top_p))
+        if sp.min_p:
+            procs.append(MinPLogitsWarper(sp.min_p))
+    return procs

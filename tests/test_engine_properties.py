@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
+from conftest import compute_all, make_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -290,24 +291,13 @@ def test_scheduler_refuses_request_larger_than_pool():
 
 
 # -- BlockManager directly -------------------------------------------------------------------------------------------
-def _req(rid, tokens, max_new=4):
-    return Request(request_id=rid, prompt_token_ids=list(tokens), max_new_tokens=max_new)
-
-
-def _compute(bm, req):
-    """Allocate and 'compute' the whole request, then register its full blocks."""
-    assert bm.ensure(req, req.num_tokens)
-    req.num_computed_tokens = req.num_tokens
-    bm.commit(req)
-
-
 def test_block_zero_never_handed_out_and_failed_ensure_changes_nothing():
     bm = BlockManager(6, 4)
-    a = _req(1, range(3, 23))  # 20 tokens: all 5 usable blocks
+    a = make_request(1, range(3, 23))  # 20 tokens: all 5 usable blocks
     assert bm.ensure(a, 20)
     assert sorted(a.block_ids) == [1, 2, 3, 4, 5]
     assert bm.num_free_blocks == 0
-    b = _req(2, [3])
+    b = make_request(2, [3])
     assert not bm.ensure(b, 1)
     assert b.block_ids == [] and bm.num_free_blocks == 0
     assert not bm.ensure(a, 21)  # one more block than exists
@@ -323,19 +313,19 @@ def test_prefix_hit_reuses_blocks_and_skips_the_last_token_block():
     bs = 4
     bm = BlockManager(16, bs)
     tokens = list(range(3, 3 + 2 * bs + 1))  # two full blocks + 1
-    a = _req(1, tokens)
+    a = make_request(1, tokens)
     assert bm.admit(a) == 0
-    _compute(bm, a)
+    compute_all(bm, a)
     assert len(a.block_hashes) == 2
     first_blocks = a.block_ids[:2]
     bm.release(a)
     assert bm.num_free_blocks == 15
-    b = _req(2, tokens)
+    b = make_request(2, tokens)
     assert bm.admit(b) == 2 * bs
     assert b.block_ids == first_blocks
     assert bm.ref_counts[first_blocks[0]] == 1 and first_blocks[0] not in bm.free
     # exactly two full blocks: the block holding the last token is recomputed, so only one is a hit
-    c = _req(3, tokens[: 2 * bs])
+    c = make_request(3, tokens[: 2 * bs])
     assert bm.admit(c) == bs
     assert c.block_ids == first_blocks[:1]
     assert bm.ref_counts[first_blocks[0]] == 2
@@ -347,9 +337,9 @@ def test_prefix_hit_reuses_blocks_and_skips_the_last_token_block():
 def test_prefix_cache_chain_depends_on_everything_before():
     bs = 2
     bm = BlockManager(16, bs)
-    a = _req(1, [3, 4, 5, 6, 7])
-    _compute(bm, a)
-    b = _req(2, [9, 9, 5, 6, 7])  # same second block, different first: no hit at all
+    a = make_request(1, [3, 4, 5, 6, 7])
+    compute_all(bm, a)
+    b = make_request(2, [9, 9, 5, 6, 7])  # same second block, different first: no hit at all
     assert bm.admit(b) == 0
     assert hash_block(None, [3, 4]) != hash_block(None, [9, 9])
     assert hash_block(hash_block(None, [3, 4]), [5, 6]) != hash_block(hash_block(None, [9, 9]), [5, 6])
@@ -357,30 +347,30 @@ def test_prefix_cache_chain_depends_on_everything_before():
 
 def test_prefix_caching_off():
     bm = BlockManager(16, 2, enable_prefix_caching=False)
-    a = _req(1, [3, 4, 5, 6, 7])
-    _compute(bm, a)
+    a = make_request(1, [3, 4, 5, 6, 7])
+    compute_all(bm, a)
     assert not bm.cached and all(h is None for h in bm.block_hash)
     bm.release(a)
-    assert bm.admit(_req(2, [3, 4, 5, 6, 7])) == 0
+    assert bm.admit(make_request(2, [3, 4, 5, 6, 7])) == 0
 
 
 def test_uncached_blocks_reused_before_cached_ones_and_eviction_forgets_hash():
     bs = 2
     bm = BlockManager(5, bs)  # 4 usable
-    a = _req(1, [3, 4, 5])  # one full block (cached after commit) + a partial one
-    _compute(bm, a)
+    a = make_request(1, [3, 4, 5])  # one full block (cached after commit) + a partial one
+    compute_all(bm, a)
     cached_block, partial_block = a.block_ids
     assert bm.block_hash[cached_block] is not None and bm.block_hash[partial_block] is None
     bm.release(a)
-    b = _req(2, [8])
+    b = make_request(2, [8])
     assert bm.ensure(b, 1)
     assert b.block_ids == [partial_block], "an uncached free block must be reused before a cached one"
-    hit = _req(3, [3, 4, 5])
+    hit = make_request(3, [3, 4, 5])
     assert bm.admit(hit) == bs and hit.block_ids == [cached_block]  # still cached
     bm.release(hit)
     bm.release(b)
-    c = _req(4, list(range(3, 11)))
+    c = make_request(4, list(range(3, 11)))
     assert bm.ensure(c, 8)  # every usable block: the cached one is evicted
     assert bm.block_hash[cached_block] is None and not bm.cached
     bm.release(c)
-    assert bm.admit(_req(5, [3, 4, 5])) == 0
+    assert bm.admit(make_request(5, [3, 4, 5])) == 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import PAD_ID, engine_of, left_pad
+from conftest import PAD_ID, compute_all, engine_of, left_pad, make_request
 
 import hf_accel.engine.block_manager as block_manager_module
 import hf_accel.engine.engine as engine_module
@@ -234,21 +234,11 @@ def test_fault_at_every_point_leaks_nothing(stock_model, references, exc_type, w
 
 
 # -- BlockManager / Scheduler directly -------------------------------------------------------------------------------
-def _req(rid, tokens, max_new=4):
-    return Request(request_id=rid, prompt_token_ids=list(tokens), max_new_tokens=max_new)
-
-
-def _compute(bm, req):
-    assert bm.ensure(req, req.num_tokens)
-    req.num_computed_tokens = req.num_tokens
-    bm.commit(req)
-
-
 def test_check_invariants_catches_each_kind_of_damage():
     bs = 2
     bm = BlockManager(8, bs)
-    a, b = _req(1, [3, 4, 5, 6, 7]), _req(2, [3, 4, 5, 6, 8])
-    _compute(bm, a)
+    a, b = make_request(1, [3, 4, 5, 6, 7]), make_request(2, [3, 4, 5, 6, 8])
+    compute_all(bm, a)
     assert bm.admit(b) == 2 * bs  # shares a's two full blocks
     bm.check_invariants([a, b])
     with pytest.raises(AssertionError, match="ref count"):
@@ -278,7 +268,7 @@ def test_check_invariants_catches_each_kind_of_damage():
 def test_reconcile_recovers_a_block_popped_and_not_recorded():
     """The window of issue 12: a block off the free list, the request not holding it yet."""
     bm = BlockManager(6, 4)
-    a = _req(1, range(3, 12))
+    a = make_request(1, range(3, 12))
     assert bm.ensure(a, 4)
     bm.free.popitem(last=False)  # what an interruption inside ensure() used to leave
     with pytest.raises(AssertionError, match="leaked"):
@@ -295,13 +285,13 @@ def test_reconcile_recovers_a_block_popped_and_not_recorded():
 def test_reconcile_keeps_consistent_prefixes_and_drops_half_made_ones():
     bs = 2
     bm = BlockManager(10, bs)
-    a, dead = _req(1, [3, 4, 5, 6, 7]), _req(2, [9, 9, 8, 8, 7])
-    _compute(bm, a)
-    _compute(bm, dead)
+    a, dead = make_request(1, [3, 4, 5, 6, 7]), make_request(2, [9, 9, 8, 8, 7])
+    compute_all(bm, a)
+    compute_all(bm, dead)
     keep, drop_entry, drop_hash = a.block_ids[0], dead.block_ids[0], dead.block_ids[1]
     del bm.cached[bm.block_hash[drop_entry]]  # an eviction cut short: hash left on the block, entry gone
     bm.block_hash[drop_hash] = None  # a commit cut short the other way: entry without the block's hash
-    live_b = _req(3, [3, 4, 5, 6, 1])
+    live_b = make_request(3, [3, 4, 5, 6, 1])
     assert bm.admit(live_b) == 2 * bs
     free_before = list(bm.free)
     # `dead` is dropped by the failed call without a release: its blocks are counted but held by no live request
@@ -313,26 +303,32 @@ def test_reconcile_keeps_consistent_prefixes_and_drops_half_made_ones():
     assert set(list(bm.free)[: len(dead.block_ids)]) == set(dead.block_ids), "uncached recovered blocks first"
     bm.release(a)
     bm.release(live_b)
-    hit = _req(4, [3, 4, 5, 6, 2])
+    hit = make_request(4, [3, 4, 5, 6, 2])
     assert bm.admit(hit) == 2 * bs, "the consistent prefix survived"
-    assert bm.admit(_req(5, [9, 9, 8, 8, 7])) == 0
+    assert bm.admit(make_request(5, [9, 9, 8, 8, 7])) == 0
     bm.release(hit)
     bm.check_invariants([])
 
 
-def test_abort_all_releases_waiting_requests_holding_prefix_blocks():
+def _cached_two_block_prefix() -> tuple[int, BlockManager, Scheduler]:
+    """A block manager (8 blocks of 4) whose prefix cache holds two full blocks of tokens 3.., all blocks free."""
     bs = 4
     bm = BlockManager(8, bs)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
-    warm = _req(1, range(3, 3 + 2 * bs + 1))
-    _compute(bm, warm)
+    warm = make_request(1, range(3, 3 + 2 * bs + 1))
+    compute_all(bm, warm)
     bm.release(warm)
-    waiting = _req(2, range(3, 3 + 2 * bs + 3))
+    return bs, bm, sched
+
+
+def test_abort_all_releases_waiting_requests_holding_prefix_blocks():
+    bs, bm, sched = _cached_two_block_prefix()
+    waiting = make_request(2, range(3, 3 + 2 * bs + 3))
     sched.add(waiting)
     # admission cut short after admit() took the cached prefix blocks (the exception's window in schedule())
     waiting.num_computed_tokens = bm.admit(waiting)
     assert len(waiting.block_ids) == 2 and waiting in sched.waiting
-    running = _req(3, [50, 51, 52])
+    running = make_request(3, [50, 51, 52])
     sched.add(running)
     sched.waiting.remove(running)
     sched.running.append(running)
@@ -343,20 +339,15 @@ def test_abort_all_releases_waiting_requests_holding_prefix_blocks():
         assert req.block_ids == [] and req.block_hashes == [] and req.num_computed_tokens == 0
     bm.check_invariants([])
     assert bm.num_free_blocks == 7
-    assert bm.admit(_req(4, range(3, 3 + 2 * bs + 1))) == 2 * bs, "the cached prefix survived the abort"
+    assert bm.admit(make_request(4, range(3, 3 + 2 * bs + 1))) == 2 * bs, "the cached prefix survived the abort"
 
 
 def test_admission_cut_short_starts_over():
     """A queued request left holding admit()'s prefix blocks with a stale computed count (an exception between the
     two, the request kept alive) is admitted afresh: its blocks given back and taken again, nothing recomputed into
     shared blocks."""
-    bs = 4
-    bm = BlockManager(8, bs)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
-    warm = _req(1, range(3, 3 + 2 * bs + 1))
-    _compute(bm, warm)
-    bm.release(warm)
-    req = _req(2, range(3, 3 + 2 * bs + 3))
+    bs, bm, sched = _cached_two_block_prefix()
+    req = make_request(2, range(3, 3 + 2 * bs + 3))
     sched.add(req)
     bm.admit(req)  # num_computed_tokens not set: still 0
     step = sched.schedule()
@@ -367,7 +358,7 @@ def test_admission_cut_short_starts_over():
 
 def test_release_is_never_a_double_free():
     bm = BlockManager(6, 4)
-    a = _req(1, range(3, 12))
+    a = make_request(1, range(3, 12))
     assert bm.ensure(a, 9)
     bm.release(a)
     bm.release(a)  # the request let go of its list: a second release is a no-op
@@ -392,11 +383,11 @@ def _ops_scenario(bm: BlockManager, live: list[Request]):
     """A sequence touching every path of the block manager: allocation with eviction, prefix hits, commit,
     release of shared and unshared blocks. Yields after each operation so a fault can land in any of them."""
     bs = bm.block_size
-    a = _req(1, range(3, 3 + 3 * bs + 1))
+    a = make_request(1, range(3, 3 + 3 * bs + 1))
     live.append(a)
-    _compute(bm, a)  # ensure + commit: 3 full blocks cached
+    compute_all(bm, a)  # ensure + commit: 3 full blocks cached
     yield
-    b = _req(2, range(3, 3 + 3 * bs + 2))
+    b = make_request(2, range(3, 3 + 3 * bs + 2))
     live.append(b)
     b.num_computed_tokens = bm.admit(b)  # prefix hits
     yield
@@ -406,7 +397,7 @@ def _ops_scenario(bm: BlockManager, live: list[Request]):
     yield
     bm.release(a)
     yield
-    c = _req(3, [90] * (bm.num_usable_blocks - len(b.block_ids)) * bs)
+    c = make_request(3, [90] * (bm.num_usable_blocks - len(b.block_ids)) * bs)
     live.append(c)
     assert bm.ensure(c, c.num_tokens)  # takes every free block: evicts cached ones
     yield

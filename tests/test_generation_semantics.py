@@ -20,16 +20,10 @@ from conftest import (
     engine_steps,
     fresh_copy,
     left_pad,
+    stock_processors,
 )
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, pipeline
 from transformers.generation.continuous_batching.requests import GenerationOutput
-from transformers.generation.logits_process import (
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -303,23 +297,6 @@ def test_sampling_first_step_scores_match_stock_warpers(stock_model, accel_model
     assert torch.isfinite(b.scores[0][torch.arange(len(tok)), tok]).all(), "sampled a filtered-out token"
 
 
-def _stock_processors(sp: SamplingParams) -> LogitsProcessorList:
-    """transformers' own processors for one request's parameters, in generate()'s order."""
-    procs = LogitsProcessorList()
-    if sp.repetition_penalty != 1.0:
-        procs.append(RepetitionPenaltyLogitsProcessor(sp.repetition_penalty))
-    if sp.do_sample:
-        if sp.temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(sp.temperature))
-        if sp.top_k:
-            procs.append(TopKLogitsWarper(sp.top_k))
-        if sp.top_p < 1.0:
-            procs.append(TopPLogitsWarper(sp.top_p))
-        if sp.min_p:
-            procs.append(MinPLogitsWarper(sp.min_p))
-    return procs
-
-
 MIXED_PARAMS = [
     SamplingParams(do_sample=False),
     SamplingParams(do_sample=False, repetition_penalty=1.5),
@@ -349,7 +326,7 @@ def test_mixed_per_request_sampling_params_in_one_batch(stock_model, accel_model
     for req in reqs:
         sp = req.sampling
         assert len(req.output_token_ids) == 8 and req.is_finished
-        procs = _stock_processors(sp)
+        procs = stock_processors(sp)
         for k, tok in enumerate(req.output_token_ids):
             row = torch.tensor([req.prompt_token_ids + req.output_token_ids[:k]])
             with torch.no_grad():

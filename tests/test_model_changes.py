@@ -606,17 +606,22 @@ def test_cast_to_a_dtype_no_backend_runs_falls_back_to_stock(caplog):
     assert "_hf_accel_state" not in accel.__dict__
 
 
-def test_training_mode_with_dropout_runs_stock_and_greedy_draws_no_random_numbers():
-    stock = make_llama(0, attention_dropout=0.3)
-    accel = accelerate_model(copy.deepcopy(stock))
-    for m in (stock, accel):
-        m.train()
+def assert_runs_stock_with_dropout(stock, accel) -> None:
+    """The call warns and takes the stock path: the same dropout draws as stock under the same seed."""
     torch.manual_seed(3)
     want = run(stock)
     torch.manual_seed(3)
     with pytest.warns(UserWarning, match="training mode with dropout"):
         got = run(accel)
     assert torch.equal(got, want)
+
+
+def test_training_mode_with_dropout_runs_stock_and_greedy_draws_no_random_numbers():
+    stock = make_llama(0, attention_dropout=0.3)
+    accel = accelerate_model(copy.deepcopy(stock))
+    for m in (stock, accel):
+        m.train()
+    assert_runs_stock_with_dropout(stock, accel)
     for m in (stock, accel):
         m.eval()
     torch.manual_seed(5)
@@ -702,10 +707,5 @@ def test_dropout_anywhere_in_training_mode_runs_stock(case):
         else:
             m.train()
             m.model.layers[0].self_attn.attention_dropout = 0.3
-    torch.manual_seed(3)
-    want = run(stock)
-    torch.manual_seed(3)
-    with pytest.warns(UserWarning, match="training mode with dropout"):
-        got = run(accel)
-    assert torch.equal(got, want)
+    assert_runs_stock_with_dropout(stock, accel)
     restore(accel)

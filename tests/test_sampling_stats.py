@@ -17,16 +17,7 @@ import math
 
 import pytest
 import torch
-from conftest import PAD_ID, PROMPTS, assert_engine_idle, engine_steps, fresh_copy, make_llama
-from transformers import LogitsProcessorList
-from transformers.generation.logits_process import (
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from conftest import PAD_ID, PROMPTS, assert_engine_idle, engine_steps, fresh_copy, make_llama, stock_processors
 
 from hf_accel import accelerate_model
 from hf_accel.engine import sampler as S
@@ -41,26 +32,6 @@ BASE_SEED = 0x2545F4914F6CDD1D  # any seed; generate() spaces a call's requests 
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------------
-def stock_processors(sp: SamplingParams, prompt_len: int = 0, eos: tuple[int, ...] = (),
-                     device: str | torch.device = "cpu") -> LogitsProcessorList:
-    """transformers' own processors for one request, in generate()'s order."""
-    procs = LogitsProcessorList()
-    if sp.repetition_penalty != 1.0:
-        procs.append(RepetitionPenaltyLogitsProcessor(sp.repetition_penalty))
-    if sp.min_new_tokens and eos:
-        procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, sp.min_new_tokens, list(eos), device=device))
-    if sp.do_sample:
-        if sp.temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(sp.temperature))
-        if sp.top_k:
-            procs.append(TopKLogitsWarper(sp.top_k))
-        if sp.top_p < 1.0:
-            procs.append(TopPLogitsWarper(sp.top_p))
-        if sp.min_p:
-            procs.append(MinPLogitsWarper(sp.min_p))
-    return procs
-
-
 def stock_scores(row: torch.Tensor, req: Request) -> torch.Tensor:
     """Stock-processed float32 scores of one request's logits row."""
     procs = stock_processors(req.sampling, req.num_prompt_tokens, tuple(sorted(req.eos_token_ids)), row.device)
