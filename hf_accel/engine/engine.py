@@ -203,8 +203,7 @@ class LLMEngine:
         self.backend.prepare(meta)
         ids = torch.randint(10, 1000, (t,), device=dev) % self.shape.vocab_size
         with torch.inference_mode(), forward_context(ForwardContext(meta, self.backend, caches)):
-            engine_forward(self.model, ids[None], torch.arange(t, device=dev)[None], torch.tensor([t - 1], device=dev),
-                           torch.ones(1, t, dtype=torch.bool, device=dev))
+            engine_forward(self.model, ids[None], torch.arange(t, device=dev)[None], torch.tensor([t - 1], device=dev))
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - before
         del caches

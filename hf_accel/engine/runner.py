@@ -47,15 +47,15 @@ class StepInputs:
 
 
 def engine_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-                   logits_indices: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
+                   logits_indices: torch.Tensor) -> torch.Tensor:
     """The family's `*ForCausalLM.forward` on packed `[1, T]` input, inside an engine step: logits `[1, N, V]`.
 
-    `ones` (bool, `[1, >= T]`, a persistent buffer: no allocation per step) is passed as an all-ones attention mask
-    only to keep transformers from inferring packed sequences from the position ids (a host sync per forward); the
-    mask function registered under our name returns no mask inside a step anyway.
+    The all-ones attention mask only keeps transformers from inferring packed sequences from the position ids (a
+    host sync per forward); the mask function registered under our name returns no mask inside a step anyway.
     """
-    return model(input_ids=input_ids, position_ids=positions, attention_mask=ones[:, : input_ids.shape[1]],
-                 logits_to_keep=logits_indices, use_cache=False).logits
+    mask = torch.ones_like(input_ids, dtype=torch.bool)
+    return model(input_ids=input_ids, position_ids=positions, attention_mask=mask, logits_to_keep=logits_indices,
+                 use_cache=False).logits
 
 
 class ModelRunner:
@@ -80,7 +80,6 @@ class ModelRunner:
         self.context_lens = torch.zeros(max_num_seqs, dtype=i32, device=dev)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=i32, device=dev)
         self.logits_indices = torch.zeros(max_num_seqs, dtype=i64, device=dev)
-        self.ones_mask = torch.ones(1, max_num_tokens, dtype=torch.bool, device=dev)  # see engine_forward
         # compiled forward and CUDA graphs, set up by enable_compilation() at warm-up
         self.dispatcher = None
         self.piecewise = None
@@ -237,7 +236,7 @@ class ModelRunner:
     def forward_2d(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    logits_indices: torch.Tensor) -> torch.Tensor:
         """The function the compiler traces: `[1, T]` inputs -> logits `[1, N, V]`."""
-        return engine_forward(self.model, input_ids, positions, logits_indices, self.ones_mask)
+        return engine_forward(self.model, input_ids, positions, logits_indices)
 
     # -- compilation and CUDA graphs ----------------------------------------------------------------------------
     def dummy_inputs(self, query_lens: list[int]) -> StepInputs:
