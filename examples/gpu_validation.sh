@@ -60,6 +60,15 @@ case "${1:-tests}" in
         --no-progress --json "$OUT/backend-$b.json" >"$OUT/backend-$b.log" 2>&1
     done
     tail -n 22 "$OUT/llama.log"; for b in flashinfer flash_attn; do grep -E "hf_accel|guard" "$OUT/backend-$b.log"; done ;;
+  threads)  # issue 13: W1, W2 and 64 threads each calling generate() with one W2 prompt, beside the stock anchors
+    timeout 560 hf-accel bench --workload w1,w2,threads --shape qwen3-0.6b --anchors eager,static \
+      --anchor-repeats 1 --anchor-warmup 0 --no-progress --json "$OUT/threads.json" >"$OUT/threads.log" 2>&1
+    tail -n 30 "$OUT/threads.log" ;;
+  serve)  # issue 13: W5, `hf-accel serve` under Poisson load against the same requests offline and stock
+    # (needs fastapi, uvicorn and the openai client: carry the server wheels, see ../shared/gpu/README.md)
+    timeout 580 hf-accel bench --workload w5 --shape qwen3-0.6b --anchors generate_batch --w5-repeats 1 \
+      --no-progress --json "$OUT/w5.json" >"$OUT/w5.log" 2>&1
+    tail -n 40 "$OUT/w5.log" ;;
   loop)  # RL-style loop (generate + AdamW step) against stock and re-accelerating, and the per-call weight-check cost
     timeout 300 python3 examples/train_generate_loop.py --iters 2 --digest-8b --json "$OUT/loop.json" \
       >"$OUT/loop.log" 2>&1

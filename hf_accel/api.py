@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import functools
 import inspect
 import logging
 import threading
 import time
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,10 +37,12 @@ from hf_accel.attention.registry import (
 from hf_accel.compilation.linear_packing import PackRecord, pack_sibling_linears, unpack_sibling_linears
 from hf_accel.config import AccelConfig, CUDAGraphMode
 from hf_accel.engine.engine import LLMEngine, ModelShape
+from hf_accel.engine.loop import EngineCall, EngineLoop
 from hf_accel.engine.model_state import is_tuner_layer
-from hf_accel.generation import EngineGenerator, stock_reason
+from hf_accel.generation import EngineGenerator, PreparedCall, stock_reason
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.patches import family_patch
+from hf_accel.streams import AsyncWaker, GenerationStream, StockGenerationStream, run_async
 
 logger = logging.getLogger("hf_accel")
 _STATE = "_hf_accel_state"
@@ -47,13 +50,15 @@ _LOCK = "_hf_accel_lock"
 
 
 class _ModelLock:
-    """The lock of one model, held by each generate()/generate_batch() call for its whole run, by restore() and by
-    accelerate_model(). It lives on the model, not on one acceleration, so a rebuild in progress is never
-    interleaved with another entry point. Re-entrant: a streamer may call generate() again on the same thread (the
-    engine nests it). A deep copy or a pickle of the model gets a lock of its own."""
+    """The lock of one model, held briefly by every call's admission, by restore() and by accelerate_model() (for the
+    whole rebuild). It lives on the model, not on one acceleration, so a rebuild in progress is never interleaved with
+    another entry point. Re-entrant: a streamer may call generate() again on the same thread. `changed` (on the same
+    lock) is notified whenever a call ends or the acceleration is replaced or removed. A deep copy or a pickle of the
+    model gets a lock of its own."""
 
     def __init__(self) -> None:
         self.rlock = threading.RLock()
+        self.changed = threading.Condition(self.rlock)
 
     def __deepcopy__(self, memo) -> _ModelLock:
         return _ModelLock()
@@ -62,8 +67,12 @@ class _ModelLock:
         return (_ModelLock, ())
 
 
+def _model_lock_record(model) -> _ModelLock:
+    return model.__dict__.setdefault(_LOCK, _ModelLock())
+
+
 def model_lock(model) -> threading.RLock:
-    return model.__dict__.setdefault(_LOCK, _ModelLock()).rlock
+    return _model_lock_record(model).rlock
 
 
 @dataclass
@@ -78,7 +87,11 @@ class AccelState:
     warned: set[str] = field(default_factory=set)
     packed_linears: PackRecord | None = None
     fused_ops: FusedRecord | None = None
-    running_threads: dict[int, int] = field(default_factory=dict)  # thread id -> calls of that thread in progress
+    loop: EngineLoop | None = None
+    active_calls: int = 0  # calls admitted and not yet over (any thread, sync or async)
+    closing: bool = False  # restore() is waiting for the active calls: new calls wait, then run stock
+    running_threads: dict[int, int] = field(default_factory=dict)  # thread id -> sync calls it is waiting in
+    async_threads: dict[int, int] = field(default_factory=dict)  # thread id -> async calls open on its event loop
 
     def __reduce__(self):
         """Pickled (torch.save of the whole model), the state is dropped as in a deep copy: no engine is saved."""
@@ -232,7 +245,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
         raise
     state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
                        original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed,
-                       fused_ops=fused)
+                       fused_ops=fused, loop=EngineLoop(engine))
     ci = engine.compile_info
     autotune_s = (autotune_info or {}).get("seconds", 0.0)
     state.startup = {"patch_s": patch_s - autotune_s, "select_s": select_s, "pack_s": pack_s, "autotune_s": autotune_s,
@@ -244,6 +257,11 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     setattr(model, _STATE, state)
     model.generate = types.MethodType(_accelerated_generate, model)
     model.generate_batch = types.MethodType(_accelerated_generate_batch, model)
+    # no stock counterpart to fall back on by name when a copy is unpickled: bound with partial, a copy keeps them
+    # bound to itself (where, with no engine, they run stock generate() in a worker thread)
+    model.agenerate = functools.partial(agenerate, model)
+    model.agenerate_stream = functools.partial(agenerate_stream, model)
+    _model_lock_record(model).changed.notify_all()
     state.startup["total_s"] = time.perf_counter() - t0
     logger.info("hf_accel: accelerated %s with the %s backend in %.1f s", type(model).__name__, backend_cls.name,
                 state.startup["total_s"])
@@ -334,19 +352,35 @@ def _remembered_backend(cache_file, spec: AttentionSpec, device: torch.device,
 def restore(model):
     """Undo accelerate_model(): stock generate, the original attention implementation, the engine freed.
 
-    Waits for a generate()/generate_batch() call running in another thread to finish first; called from inside a
-    running call (a streamer or stopping criterion of that call) it raises, since the call could not finish.
+    Waits for the calls running in other threads (and async streams) to finish first; calls that arrive meanwhile
+    wait too, then run stock. Called from inside a running call (its streamer, logits processor or stopping
+    criterion) it raises, since that call could not finish.
     """
     wrapper, model = model, base_model_of(model)
-    with model_lock(model):
+    record = _model_lock_record(model)
+    with record.rlock:
         state: AccelState | None = model.__dict__.get(_STATE)
         if state is None:
             _strip_copied_patches(model)
             return wrapper
-        if state.running_threads.get(threading.get_ident()):
+        if state.running_threads.get(threading.get_ident()) or state.loop.on_engine_thread:
             raise RuntimeError("restore() was called from inside a running generate() of this model (a streamer, "
                                "logits processor or stopping criterion); call it after generate() returns")
+        if state.async_threads.get(threading.get_ident()):
+            raise RuntimeError("restore() was called on an event loop's thread while agenerate()/agenerate_stream() "
+                               "calls of this model are open on that loop: they could never finish (their ends run "
+                               "on the loop restore() would block); await or close them first, or restore from "
+                               "another thread")
+        state.closing = True
+        try:
+            record.changed.wait_for(lambda: state.active_calls == 0)
+        except BaseException:
+            state.closing = False
+            record.changed.notify_all()
+            raise
+        state.loop.wait_idle()
         _restore_locked(model, state)
+        record.changed.notify_all()
     return wrapper
 
 
@@ -361,10 +395,11 @@ def _strip_copied_patches(model) -> None:
 
 
 def _unpatch_generate(model) -> None:
-    """Drop the instance generate()/generate_batch() accelerate_model set (ours only: another library's own patch
-    of a never-accelerated model stays): the class's own methods show again."""
-    for name in ("generate", "generate_batch"):
-        if getattr(model.__dict__.get(name), "__func__", None) in (_accelerated_generate, _accelerated_generate_batch):
+    """Drop the instance methods accelerate_model set (ours only: another library's own patch of a never-accelerated
+    model stays): the class's own generate()/generate_batch() show again."""
+    for name, fn in _PATCHED_METHODS.items():
+        attr = model.__dict__.get(name)
+        if getattr(attr, "__func__", None) is fn or getattr(attr, "func", None) is fn:
             del model.__dict__[name]
 
 
@@ -393,6 +428,14 @@ def available_backends(model=None) -> dict[str, str | None]:
     return available_backends_for(_attention_spec(model), _model_device(model))
 
 
+def engine_of(model) -> LLMEngine:
+    """The engine behind an accelerated model (for tools and tests: its block manager, scheduler and stats)."""
+    state: AccelState | None = base_model_of(model).__dict__.get(_STATE)
+    if state is None:
+        raise ValueError("model is not accelerated (call accelerate_model first)")
+    return state.engine
+
+
 def engine_info(model) -> dict[str, Any]:
     """What accelerate_model set up: backend, graph mode, cache sizes and startup timings."""
     state: AccelState | None = base_model_of(model).__dict__.get(_STATE)
@@ -413,52 +456,87 @@ def engine_info(model) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _exclusive_call(model, state: AccelState) -> Iterator[AccelState | None]:
-    """Hold the model's lock for one generate()/generate_batch() call and bring the engine up to date.
+def _admit(model, counted_thread: bool) -> AccelState | None:
+    """Admit one call: the state it runs on, or None when it must run stock (the model was restored, or could not be
+    accelerated again). The caller must `_leave(model, state, counted_thread)` when the call is over.
 
-    Yields the state the call runs on, or None when the call must run stock (the model was restored while the call
-    waited, or could not be accelerated again). On an idle engine (not a nested call) the engine compares the model
-    with what it was built for (`LLMEngine.sync_with_model`): weights or adapters that changed drop the cached
-    prefixes; a changed structure under compiled code, or a switched attention implementation, dtype or device,
-    rebuilds the acceleration with the same options, and the call runs on the new engine.
+    Under the model's lock: a restore() in progress is waited out. When no call is active, the engine is brought up
+    to date first (`LLMEngine.sync_with_model`): weights or adapters that changed drop the cached prefixes; a changed
+    structure under compiled code, or a switched attention implementation, dtype or device, rebuilds the acceleration
+    with the same options. A call that joins running calls shares the check their first call made: it runs on the
+    weights they run on (changing weights while calls are running is not supported; the next idle start sees it).
+    `counted_thread`: a sync call whose thread waits inside the call (restore() from that thread must refuse).
     """
-    tid = threading.get_ident()
-    with model_lock(model):
-        live = model.__dict__.get(_STATE)
-        if live is not state:  # restored (None: the caller runs stock) or rebuilt while this call waited
-            if live is None:
-                yield None
-                return
-            with _exclusive_call(model, live) as current:
-                yield current
-            return
-        state.running_threads[tid] = state.running_threads.get(tid, 0) + 1
-        try:
-            if state.running_threads[tid] == 1 and state.engine.sync_with_model():
-                logger.warning("hf_accel: %s changed since accelerate_model() (attention implementation, dtype, "
-                               "device, parameters, modules or adapters); accelerating it again for the new model",
-                               type(model).__name__)
-                chosen = model.config._attn_implementation  # the user's own switch, if any, is kept
-                _restore_locked(model, state)
-                if not is_ours(chosen) and chosen != model.config._attn_implementation:
-                    model.set_attn_implementation(chosen)
-                try:
-                    accelerate_model(model, config=state.config)
-                except Exception as exc:  # e.g. a dtype no backend runs: stay restored, serve this call stock
-                    logger.warning("hf_accel: could not accelerate the changed model again (%s: %s); it is restored "
-                                   "and this call runs stock generate()", type(exc).__name__, exc)
-                    yield None
-                    return
-                new_state: AccelState = model.__dict__[_STATE]
-                with _exclusive_call(model, new_state) as current:
-                    yield current
-                return
-            yield state
-        finally:
-            state.running_threads[tid] -= 1
-            if not state.running_threads[tid]:
-                del state.running_threads[tid]
+    record = _model_lock_record(model)
+    with record.rlock:
+        while True:
+            state: AccelState | None = model.__dict__.get(_STATE)
+            if state is None:
+                return None
+            if not state.closing:
+                break
+            record.changed.wait()
+        if state.active_calls == 0:
+            state.loop.wait_idle()  # the last call's step in flight, if any: at most one step
+            if state.engine.sync_with_model():
+                state = _reaccelerate(model, state)
+                if state is None:
+                    return None
+        state.active_calls += 1
+        tid = threading.get_ident()
+        counts = state.running_threads if counted_thread else state.async_threads
+        counts[tid] = counts.get(tid, 0) + 1
+        return state
+
+
+def _leave(model, state: AccelState, counted_thread: bool) -> None:
+    record = _model_lock_record(model)
+    with record.rlock:
+        state.active_calls -= 1
+        counts = state.running_threads if counted_thread else state.async_threads
+        for tid in (threading.get_ident(), *counts):  # an async call may end on another thread (a dropped stream)
+            if counts.get(tid):
+                counts[tid] -= 1
+                if not counts[tid]:
+                    del counts[tid]
+                break
+        record.changed.notify_all()
+
+
+def _reaccelerate(model, state: AccelState) -> AccelState | None:
+    """The model changed under an idle engine in a way the engine cannot follow: accelerate it again with the same
+    options. None (restored, calls run stock) if that fails."""
+    logger.warning("hf_accel: %s changed since accelerate_model() (attention implementation, dtype, device, "
+                   "parameters, modules or adapters); accelerating it again for the new model", type(model).__name__)
+    chosen = model.config._attn_implementation  # the user's own switch, if any, is kept
+    _restore_locked(model, state)
+    if not is_ours(chosen) and chosen != model.config._attn_implementation:
+        model.set_attn_implementation(chosen)
+    try:
+        accelerate_model(model, config=state.config)
+    except Exception as exc:  # e.g. a dtype no backend runs: stay restored, serve this call stock
+        logger.warning("hf_accel: could not accelerate the changed model again (%s: %s); it is restored and this "
+                       "call runs stock generate()", type(exc).__name__, exc)
+        return None
+    return model.__dict__[_STATE]
+
+
+def _run_sync(model, state: AccelState, prepare: Callable[[AccelState], PreparedCall]) -> Any:
+    """A call from a thread that waits for it: admitted, prepared, run on the model's engine loop beside whatever
+    else runs, and finished on this thread. None from `_admit` means stock: returns `_STOCK`."""
+    current = _admit(model, counted_thread=True)
+    if current is None:
+        return _STOCK
+    try:
+        prepared = prepare(current)
+        call = EngineCall(prepared.requests, wants_events=prepared.on_events is not None)
+        current.loop.run_sync(call, prepared.on_events, prepared.before)
+        return prepared.finish()
+    finally:
+        _leave(model, current, counted_thread=True)
+
+
+_STOCK = object()  # _run_sync's answer when the call must run stock generate()
 
 
 def _warn_stock(state: AccelState | None, reason: str) -> None:
@@ -475,16 +553,44 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
                           negative_prompt_attention_mask=None, **kwargs):
     """transformers' generate(), served by the hf_accel engine (stock path, with a warning, for other modes).
 
-    The stock path runs `type(model).generate` on the accelerated model as it is: outside an engine step the
-    attention and the modules are the stock ones, so nothing has to be switched back (and no other thread's engine
-    step sees a switched model).
+    Any number of threads may call it at once: their calls join one running batch on the model's engine loop
+    (engine/loop.py), each returning exactly what it would alone. The stock path runs `type(model).generate` on the
+    accelerated model as it is: outside an engine step the attention and the modules are the stock ones, so nothing
+    has to be switched back (and no other thread's engine step sees a switched model).
     """
-    state: AccelState | None = _current_state(self)
-    stock_args = dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
-                      stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-                      synced_gpus=synced_gpus, assistant_model=assistant_model, streamer=streamer,
-                      negative_prompt_ids=negative_prompt_ids,
-                      negative_prompt_attention_mask=negative_prompt_attention_mask, **kwargs)
+    plan = _plan_generate(self, dict(inputs=inputs, generation_config=generation_config,
+                                     logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                                     prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, synced_gpus=synced_gpus,
+                                     assistant_model=assistant_model, streamer=streamer,
+                                     negative_prompt_ids=negative_prompt_ids,
+                                     negative_prompt_attention_mask=negative_prompt_attention_mask, **kwargs))
+    if plan.prepare is not None:
+        out = _run_sync(self, plan.state, plan.prepare)
+        if out is not _STOCK:
+            return out
+    return type(self).generate(self, **plan.stock_args)
+
+
+@dataclass
+class _GeneratePlan:
+    """How one generate()-style call runs: `prepare` builds its engine call on the admitted state; None (and for an
+    admission that finds the model restored) means stock generate() with `stock_args`."""
+
+    stock_args: dict[str, Any]
+    state: AccelState | None = None
+    prepare: Callable[[AccelState], PreparedCall] | None = None
+
+
+def _plan_generate(model, stock_args: dict[str, Any], seed: int | None = None) -> _GeneratePlan:
+    """Resolve a generate() call's arguments as stock does and decide engine or stock (warning once per reason)."""
+    state: AccelState | None = _current_state(model)
+    plan = _GeneratePlan(stock_args=stock_args, state=state)
+    kwargs = dict(stock_args)
+    inputs, generation_config = kwargs.pop("inputs"), kwargs.pop("generation_config")
+    logits_processor, stopping_criteria = kwargs.pop("logits_processor"), kwargs.pop("stopping_criteria")
+    streamer = kwargs.pop("streamer")
+    extra = {k: kwargs.pop(k) for k in ("prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
+                                        "negative_prompt_ids", "negative_prompt_attention_mask")}
     tokenizer = kwargs.pop("tokenizer", None)
     kwargs.pop("assistant_tokenizer", None)
     input_ids = kwargs.pop("input_ids", None)
@@ -492,34 +598,33 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
         raise ValueError("pass the prompt either as `inputs` or as `input_ids`, not both")
     input_ids = inputs if inputs is not None else input_ids
     if isinstance(input_ids, torch.Tensor) and input_ids.dtype not in (torch.int64, torch.int32):
-        # token ids must be integers: stock generate() raises its own error for anything else, so let it
-        return type(self).generate(self, **stock_args)
+        return plan  # token ids must be integers: stock generate() raises its own error for anything else
     # the same test stock generate() makes, on the raw arguments: no max_length anywhere -> 20 *new* tokens
     has_default_max_length = (kwargs.get("max_length") is None
                               and (generation_config is None or generation_config.max_length is None)
-                              and self.generation_config.max_length is None)
-    gc, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
-    reason = stock_reason(gc, model_kwargs, dict(assistant_model=assistant_model, synced_gpus=synced_gpus,
-                                                 prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-                                                 negative_prompt_ids=negative_prompt_ids,
-                                                 stopping_criteria=stopping_criteria,
+                              and model.generation_config.max_length is None)
+    gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    reason = stock_reason(gc, model_kwargs, dict(extra, stopping_criteria=stopping_criteria,
                                                  num_rows=_num_rows(input_ids)))
-    if reason is None and _has_active_dropout(self):
-        reason = "generation in training mode with dropout (stock applies it at every step)"
-    if reason is None and _per_row_adapters(self):
-        reason = "per-row PEFT adapters (adapter_names)"
+    if reason is None:
+        reason = _module_reason(model)
     if reason is None and state is None:
         reason = "a copy of an accelerated model (accelerate_model(copy) to accelerate it)"
     if reason is None and input_ids is None:
         reason = "generation without input_ids (inputs_embeds or an unconditional start)"
+    if reason is None and state.loop.on_engine_thread:
+        reason = "generate() from a callback running inside this model's engine step"
     if reason is not None:
         _warn_stock(state, reason)
-        return type(self).generate(self, **stock_args)
-    with _exclusive_call(self, state) as current:
-        if current is None:  # restore()d while this call waited for the previous one
-            return type(self).generate(self, **stock_args)
-        return current.generator.generate(input_ids, gc, model_kwargs, logits_processor, stopping_criteria, streamer,
-                                          tokenizer=tokenizer, has_default_max_length=has_default_max_length)
+        return plan
+
+    def prepare(current: AccelState) -> PreparedCall:
+        return current.generator.prepare_generate(input_ids, gc, model_kwargs, logits_processor, stopping_criteria,
+                                                  streamer, tokenizer=tokenizer,
+                                                  has_default_max_length=has_default_max_length, seed=seed)
+
+    plan.prepare = prepare
+    return plan
 
 
 def _current_state(model) -> AccelState | None:
@@ -531,31 +636,49 @@ def _current_state(model) -> AccelState | None:
     return state
 
 
-def _has_active_dropout(model) -> bool:
-    """Dropout that a forward would apply now: a module in training mode that is a Dropout with p > 0 or holds a
-    dropout rate above 0 (attention modules pass `attention_dropout` to the attention function when training), or a
-    config dropout / jitter rate above 0 while any module trains."""
-    training = False
-    for m in model.modules():
-        if not m.training:
+def _all_modules(model) -> Iterator[torch.nn.Module]:
+    """Every module of the tree (each once), depth first: what `model.modules()` gives, without building names.
+    Every call walks the tree twice (dropout, per-row adapters); with 64 threads arriving at once that walk is on the
+    critical path of the first engine steps."""
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield m
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+
+
+def _module_reason(model) -> str | None:
+    """Why the modules' state sends this call stock, from one walk of the tree: dropout that a forward would apply
+    now (a module in training mode that is a Dropout with p > 0 or holds a dropout rate above 0, as attention
+    modules pass `attention_dropout` to the attention function when training, or a config dropout / jitter rate
+    above 0 while any module trains), or PEFT's per-row adapters (`generate(adapter_names=[...])` works through
+    forward pre-hooks on its tuner layers that pass each row's adapter; the engine packs all rows into one
+    sequence)."""
+    training = dropout = per_row = False
+    for m in _all_modules(model):
+        if m._forward_pre_hooks and is_tuner_layer(m):
+            per_row = True
+        if not m.training or dropout:
             continue
         training = True
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
-            if m.p > 0:
-                return True
-        elif any("dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
-            return True
-    if not training:
-        return False
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return any(("dropout" in k or "jitter" in k) and isinstance(v, float) and v > 0
-               for cfg in {id(model.config): model.config, id(text): text}.values() for k, v in vars(cfg).items())
-
-
-def _per_row_adapters(model) -> bool:
-    """PEFT's `generate(adapter_names=[...])` (one adapter per row) works through forward pre-hooks on its tuner
-    layers that pass each row's adapter; the engine packs all rows into one sequence, so such calls run stock."""
-    return any(m._forward_pre_hooks and is_tuner_layer(m) for m in model.modules())
+            dropout = m.p > 0
+        else:
+            dropout = any("dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items())
+    if training and not dropout:
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        dropout = any(("dropout" in k or "jitter" in k) and isinstance(v, float) and v > 0
+                      for cfg in {id(model.config): model.config, id(text): text}.values()
+                      for k, v in vars(cfg).items())
+    if dropout:
+        return "generation in training mode with dropout (stock applies it at every step)"
+    if per_row:
+        return "per-row PEFT adapters (adapter_names)"
+    return None
 
 
 def _num_rows(input_ids) -> int:
@@ -569,26 +692,118 @@ def _accelerated_generate_batch(self, inputs: list[list[int]], generation_config
     """transformers' generate_batch(): same signature and return type, served by the hf_accel engine.
 
     `continuous_batching_config`, `persistent_manager` and `warmup` are accepted and ignored: the engine is
-    configured by accelerate_model() and already warm.
+    configured by accelerate_model() and already warm. Concurrent calls (and generate() calls) share one batch.
     """
     state: AccelState | None = _current_state(self)
+    stock = dict(generation_config=generation_config, continuous_batching_config=continuous_batching_config,
+                 record_timestamps=record_timestamps, progress_bar=progress_bar,
+                 persistent_manager=persistent_manager, warmup=warmup, **kwargs)
     if state is None:  # a copy of an accelerated model (stripped of our patches first: stock rejects our name)
         _strip_copied_patches(self)
-        return type(self).generate_batch(self, inputs, generation_config=generation_config,
-                                          continuous_batching_config=continuous_batching_config,
-                                          record_timestamps=record_timestamps, progress_bar=progress_bar,
-                                          persistent_manager=persistent_manager, warmup=warmup, **kwargs)
+        return type(self).generate_batch(self, inputs, **stock)
+    if state.loop.on_engine_thread:
+        _warn_stock(state, "generate_batch() from a callback running inside this model's engine step")
+        return type(self).generate_batch(self, inputs, **stock)
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     if kwargs:
         logger.warning("hf_accel generate_batch ignores unsupported keyword arguments %s", sorted(kwargs))
-    with _exclusive_call(self, state) as current:
-        if current is None:  # restore()d while this call waited for the previous one
-            return type(self).generate_batch(self, inputs, generation_config=generation_config,
-                                              progress_bar=progress_bar, max_new_tokens=max_new_tokens, **kwargs)
-        return current.generator.generate_batch(inputs, generation_config, progress_bar, max_new_tokens)
+    if not inputs:
+        return {}
+    out = _run_sync(self, state, lambda current: current.generator.prepare_generate_batch(
+        inputs, generation_config, progress_bar, max_new_tokens))
+    if out is _STOCK:  # restore()d while this call waited
+        return type(self).generate_batch(self, inputs, generation_config=generation_config,
+                                          progress_bar=progress_bar, max_new_tokens=max_new_tokens)
+    return out
+
+
+def _generate_args(inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None,
+                   prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None, streamer=None,
+                   negative_prompt_ids=None, negative_prompt_attention_mask=None, **kwargs) -> dict[str, Any]:
+    """generate()'s arguments by name, as stock generate() takes them."""
+    return dict(inputs=inputs, generation_config=generation_config, logits_processor=logits_processor,
+                stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                synced_gpus=synced_gpus, assistant_model=assistant_model, streamer=streamer,
+                negative_prompt_ids=negative_prompt_ids, negative_prompt_attention_mask=negative_prompt_attention_mask,
+                **kwargs)
+
+
+async def agenerate(self, inputs: torch.Tensor | None = None, generation_config=None, logits_processor=None,
+                    stopping_criteria=None, streamer=None, *, seed: int | None = None, **kwargs):
+    """`await model.agenerate(...)`: generate() for asyncio code, on the same engine loop as every other call.
+
+    Takes generate()'s arguments and returns what it returns (tensor or `GenerateDecoderOnlyOutput`); the event loop
+    is free while the call runs, and the call joins the running batch like any other. `seed` (an hf_accel addition)
+    seeds this call's sampling; without it the seed comes from torch's global RNG, as in generate(). A streamer is fed
+    on the event loop (transformers' `AsyncTextIteratorStreamer` fits). Cancelling the awaiting task aborts the call
+    and frees its KV blocks. Calls that must run stock run it in a worker thread (`asyncio.to_thread`).
+    """
+    plan = _plan_generate(self, _generate_args(inputs, generation_config, logits_processor, stopping_criteria,
+                                               streamer=streamer, **kwargs), seed=seed)
+    state = _admit(self, counted_thread=False) if plan.prepare is not None else None
+    if state is None:
+        return await asyncio.to_thread(type(self).generate, self, **plan.stock_args)
+    try:
+        prepared = plan.prepare(state)
+        if prepared.before is not None:
+            prepared.before()
+        waker = AsyncWaker(asyncio.get_running_loop())
+        call = EngineCall(prepared.requests, wants_events=prepared.on_events is not None, notify=waker)
+        state.loop.submit(call)
+        await run_async(state.loop, call, waker, prepared.on_events)
+        return prepared.finish()
+    finally:
+        _leave(self, state, counted_thread=False)
+
+
+def agenerate_stream(self, inputs: torch.Tensor | None = None, generation_config=None, logits_processor=None,
+                     stopping_criteria=None, *, seed: int | None = None, **kwargs):
+    """`async for delta in model.agenerate_stream(input_ids, max_new_tokens=...)`: tokens as they are generated.
+
+    Takes generate()'s arguments (no streamer: the deltas are the stream) and returns a `GenerationStream` of
+    `GenerationDelta(sequence, token_ids, finish_reason)`, one sequence per output row of generate(). Bad input raises
+    here, before anything runs. `stream.abort(i)` cancels one sequence; leaving the loop early, cancelling the task
+    or `await stream.aclose()` cancels the rest and frees their KV blocks. Call it from the event loop's thread.
+    `seed` as in `agenerate`. This is what `hf-accel serve` is built on.
+    """
+    if kwargs.get("streamer") is not None:
+        raise ValueError("agenerate_stream() takes no streamer: iterate over the stream it returns")
+    kwargs.pop("streamer", None)
+    plan = _plan_generate(self, _generate_args(inputs, generation_config, logits_processor, stopping_criteria,
+                                               **kwargs), seed=seed)
+    state = _admit(self, counted_thread=False) if plan.prepare is not None else None
+    if state is None:
+        return _stock_stream(self, plan)
+    try:
+        prepared = plan.prepare(state)
+        waker = AsyncWaker(asyncio.get_running_loop())
+        call = EngineCall(prepared.requests, wants_events=True, notify=waker)
+        state.loop.submit(call)
+    except BaseException:
+        _leave(self, state, counted_thread=False)
+        raise
+    return GenerationStream(state.loop, call, waker, on_close=lambda: _leave(self, state, counted_thread=False))
+
+
+def _stock_stream(model, plan: _GeneratePlan) -> StockGenerationStream:
+    args = plan.stock_args
+    ids = args["inputs"] if args["inputs"] is not None else args.get("input_ids")
+    gc, _ = model._prepare_generation_config(args["generation_config"],
+                                             **{k: v for k, v in args.items() if k not in _STOCK_ONLY_ARGS})
+    eos = gc.eos_token_id
+    eos = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
+    rows = _num_rows(ids) * max(1, gc.num_return_sequences or 1)
+    return StockGenerationStream(lambda: type(model).generate(model, **args), int(ids.shape[-1]), eos, rows)
+
+
+_STOCK_ONLY_ARGS = {"inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+                    "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
+                    "negative_prompt_attention_mask", "input_ids", "tokenizer", "assistant_tokenizer"}
 
 
 # bound to a model as instance attributes, these pickle as `getattr(model, name)`: under these names a pickled
 # accelerated model comes back with the class's own (stock) methods, its state dropped (`AccelState.__reduce__`)
 _accelerated_generate.__name__ = "generate"
 _accelerated_generate_batch.__name__ = "generate_batch"
+_PATCHED_METHODS = {"generate": _accelerated_generate, "generate_batch": _accelerated_generate_batch,
+                    "agenerate": agenerate, "agenerate_stream": agenerate_stream}

@@ -17,10 +17,12 @@ Decisions where stock behaviour cannot be reproduced row by row (written down in
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +40,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from hf_accel.engine.loop import CallEvent
 from hf_accel.engine.request import Request, SamplingParams
 
 if TYPE_CHECKING:
@@ -109,29 +112,61 @@ def _eos_ids(gc: GenerationConfig) -> list[int]:
 
 
 class _StreamFeeder:
-    """Feeds a streamer exactly as stock generate() does: one `[B]` tensor per step, pad for finished rows."""
+    """Feeds a streamer exactly as stock generate() does: one `[B]` tensor per step, pad for finished rows.
 
-    def __init__(self, streamer, requests: list[Request], pad_token_id: int) -> None:
+    It runs on the caller's thread, from the events the engine loop hands the call (tokens and finishes), and keeps
+    its own copy of each row so far: it never reads requests the engine thread is still writing.
+    """
+
+    def __init__(self, streamer, num_rows: int, pad_token_id: int) -> None:
         self.streamer = streamer
-        self.requests = requests
         self.pad = pad_token_id
+        self.tokens: list[list[int]] = [[] for _ in range(num_rows)]
+        self.finished = [False] * num_rows
         self.emitted = 0
 
-    def __call__(self, _emitted=None) -> None:
+    def __call__(self, events: list[CallEvent]) -> None:
+        for i, tok, reason in events:
+            if tok is not None:
+                self.tokens[i].append(tok)
+            if reason is not None:
+                self.finished[i] = True
         while True:
             k = self.emitted
             row = []
-            for r in self.requests:
-                if len(r.output_token_ids) > k:
-                    row.append(r.output_token_ids[k])
-                elif r.is_finished:
+            for toks, done in zip(self.tokens, self.finished):
+                if len(toks) > k:
+                    row.append(toks[k])
+                elif done:
                     row.append(self.pad)
                 else:
                     return
-            if all(len(r.output_token_ids) <= k for r in self.requests):
+            if all(len(toks) <= k for toks in self.tokens):
                 return
             self.streamer.put(torch.tensor(row, dtype=torch.long))
             self.emitted += 1
+
+
+@dataclass
+class PreparedCall:
+    """A generate()/generate_batch() call turned into engine requests, and what the caller does around the run:
+    `on_events` (on the caller's thread, as tokens arrive; None when nothing needs them) and `finish` (after the run:
+    build the return value exactly as stock does)."""
+
+    requests: list[Request]
+    finish: Callable[[], Any]
+    on_events: Callable[[list[CallEvent]], None] | None = None
+    before: Callable[[], None] | None = None  # just before the requests are submitted (the streamer's prompt)
+
+
+def call_seed(seed: int | None, do_sample: bool) -> int:
+    """The base seed of a call's counter-based sampling noise: from torch's global RNG as stock generate() draws (so
+    torch.manual_seed reproduces a call), or from an explicit seed (the async entry points, the server). Greedy calls
+    draw nothing, as stock's do not."""
+    if seed is not None:
+        digest = hashlib.blake2b(int(seed).to_bytes(16, "little", signed=True), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 2
+    return int(torch.randint(0, 2**62, (1,)).item()) if do_sample else 0
 
 
 class EngineGenerator:
@@ -142,9 +177,12 @@ class EngineGenerator:
         self.engine = engine
 
     # -- generate() --------------------------------------------------------------------------------------------
-    def generate(self, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any],
-                 logits_processor: LogitsProcessorList | None, stopping_criteria, streamer,
-                 tokenizer=None, has_default_max_length: bool = False) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    def prepare_generate(self, input_ids: torch.Tensor, generation_config: GenerationConfig,
+                         model_kwargs: dict[str, Any], logits_processor: LogitsProcessorList | None, stopping_criteria,
+                         streamer, tokenizer=None, has_default_max_length: bool = False,
+                         seed: int | None = None) -> PreparedCall:
+        """generate(): validate and build the requests (raising for bad input, before anything runs); the returned
+        call's `finish()` gives what stock generate() returns."""
         gc = generation_config
         model = self.model
         if input_ids.ndim != 2:
@@ -222,8 +260,7 @@ class EngineGenerator:
         deadline = time.monotonic() + gc.max_time if gc.max_time is not None else None
 
         n_ret = max(1, gc.num_return_sequences or 1)
-        # from the global RNG (torch.manual_seed reproduces a call); greedy calls draw nothing, as stock's do not
-        base_seed = int(torch.randint(0, 2**62, (1,)).item()) if gc.do_sample else 0
+        base_seed = call_seed(seed, bool(gc.do_sample))
         rows_cpu = input_ids.cpu()
         mask_cpu = attention_mask.cpu().bool()
         requests: list[Request] = []
@@ -260,36 +297,37 @@ class EngineGenerator:
                     req.stop_check = _stop_hook(criteria, row_of, deadline)
                 requests.append(req)
 
-        feeder = None
+        feeder = before = None
         if streamer is not None:
-            streamer.put(input_ids.repeat_interleave(n_ret, dim=0).cpu())  # as stock: one row per sequence
-            feeder = _StreamFeeder(streamer, requests, pad if pad is not None else 0)
-        self.engine.run(requests, on_tokens=feeder)
-        if feeder is not None:
-            feeder()
-            streamer.end()
+            feeder = _StreamFeeder(streamer, len(requests), pad if pad is not None else 0)
+            # as stock: the prompt first, one row per sequence
+            before = lambda: streamer.put(input_ids.repeat_interleave(n_ret, dim=0).cpu())  # noqa: E731
 
-        # assemble: the padded prompt row + new tokens, pad after EOS
-        gen_len = max(len(r.output_token_ids) for r in requests)
-        out = torch.full((len(requests), padded_len + gen_len), pad if pad is not None else 0, dtype=torch.long)
-        out[:, :padded_len] = rows_cpu.repeat_interleave(n_ret, dim=0)
-        for i, r in enumerate(requests):
-            out[i, padded_len : padded_len + len(r.output_token_ids)] = torch.tensor(r.output_token_ids)
-        sequences = out.to(device)
-        if not gc.return_dict_in_generate:
-            return sequences
-        scores = _stack_steps(requests, "scores", gen_len, pad) if gc.output_scores else None
-        logits = _stack_steps(requests, "raw_logits", gen_len, pad) if gc.output_logits else None
-        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
+        def finish() -> torch.Tensor | GenerateDecoderOnlyOutput:
+            if streamer is not None:
+                streamer.end()
+            # assemble: the padded prompt row + new tokens, pad after EOS
+            gen_len = max(len(r.output_token_ids) for r in requests)
+            out = torch.full((len(requests), padded_len + gen_len), pad if pad is not None else 0, dtype=torch.long)
+            out[:, :padded_len] = rows_cpu.repeat_interleave(n_ret, dim=0)
+            for i, r in enumerate(requests):
+                out[i, padded_len : padded_len + len(r.output_token_ids)] = torch.tensor(r.output_token_ids)
+            sequences = out.to(device)
+            if not gc.return_dict_in_generate:
+                return sequences
+            scores = _stack_steps(requests, "scores", gen_len, pad) if gc.output_scores else None
+            logits = _stack_steps(requests, "raw_logits", gen_len, pad) if gc.output_logits else None
+            return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
+
+        return PreparedCall(requests=requests, finish=finish, on_events=feeder, before=before)
 
     # -- generate_batch() ---------------------------------------------------------------------------------------
-    def generate_batch(self, inputs: list[list[int]], generation_config: GenerationConfig | None,
-                       progress_bar: bool, max_new_tokens: int | None) -> dict:
+    def prepare_generate_batch(self, inputs: list[list[int]], generation_config: GenerationConfig | None,
+                               progress_bar: bool, max_new_tokens: int | None) -> PreparedCall:
+        """generate_batch(): the requests, a progress bar fed on the caller's thread, and stock's result dict."""
         from tqdm.auto import tqdm
         from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-        if not inputs:
-            return {}
         gc = generation_config if generation_config is not None else self.model.generation_config
         n_ret = max(1, gc.num_return_sequences or 1)
         max_new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
@@ -298,7 +336,7 @@ class EngineGenerator:
         if max_new <= 0:
             raise ValueError(f"`max_new_tokens` must be greater than 0, but is {max_new}.")
         eos = frozenset(_eos_ids(gc))
-        base_seed = int(torch.randint(0, 2**62, (1,)).item()) if gc.do_sample else 0
+        base_seed = call_seed(None, bool(gc.do_sample))
         max_pos = self.engine.shape.max_model_len
         requests, ids = [], []
         for i, prompt in enumerate(inputs):
@@ -320,19 +358,24 @@ class EngineGenerator:
                         min_new_tokens=int(gc.min_new_tokens or 0), seed=base_seed + 7919 * len(requests)),
                     eos_token_ids=eos))
         created = time.perf_counter()
-        with tqdm(total=len(requests), disable=not progress_bar, desc=f"Solving {len(requests)} requests",
-                  unit="request") as pbar:
-            def on_tokens(emitted):
-                pbar.update(sum(1 for r, _ in emitted if r.is_finished))
+        pbar = tqdm(total=len(requests), disable=not progress_bar, desc=f"Solving {len(requests)} requests",
+                    unit="request") if progress_bar else None
 
-            self.engine.run(requests, on_tokens=on_tokens)
-        done = time.perf_counter()
-        return {
-            rid: GenerationOutput(request_id=rid, prompt_ids=list(r.prompt_token_ids),
-                                  generated_tokens=list(r.output_token_ids), status=RequestStatus.FINISHED,
-                                  created_time=created, lifespan=(created, done))
-            for rid, r in zip(ids, requests)
-        }
+        def on_events(events: list[CallEvent]) -> None:
+            pbar.update(sum(1 for _, _, reason in events if reason is not None))
+
+        def finish() -> dict:
+            done = time.perf_counter()
+            if pbar is not None:
+                pbar.close()
+            return {
+                rid: GenerationOutput(request_id=rid, prompt_ids=list(r.prompt_token_ids),
+                                      generated_tokens=list(r.output_token_ids), status=RequestStatus.FINISHED,
+                                      created_time=created, lifespan=(created, done))
+                for rid, r in zip(ids, requests)
+            }
+
+        return PreparedCall(requests=requests, finish=finish, on_events=on_events if pbar is not None else None)
 
 
 def _row_view(padded_row: list[int]) -> Callable[[Request], torch.Tensor]:

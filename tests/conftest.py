@@ -82,8 +82,16 @@ def engine_steps(model) -> int:
     return engine_of(model).stats.steps
 
 
+def run_requests(model, requests) -> None:
+    """Run engine requests directly on the model's engine loop (as one call) and wait for them."""
+    from hf_accel.engine.loop import EngineCall
+
+    model._hf_accel_state.loop.run_sync(EngineCall(list(requests)))
+
+
 def assert_engine_idle(model) -> None:
     """No request left queued or running, and every KV block (except the null block 0) back in the free pool."""
+    assert model._hf_accel_state.loop.wait_idle(30), "the engine loop did not become idle"
     eng = engine_of(model)
     assert not eng.scheduler.waiting and not eng.scheduler.running
     bm = eng.block_manager

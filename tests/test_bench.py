@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from hf_accel import bench
+from hf_accel.bench import guard as bench_guard
 
-API_LANDED = (Path(bench.__file__).parent / "api.py").exists()
+API_LANDED = (Path(bench.__file__).parents[1] / "api.py").exists()
 TINY = ["--shape", "tiny", "--repeats", "1", "--warmup", "1", "--num-kv-blocks", "256", "--no-progress",
         "--device", "cpu"]
 
@@ -223,6 +224,87 @@ def test_bench_w2_w3_tiny_cpu_without_anchors(tmp_path) -> None:
 
 
 @needs_api
+def test_bench_threads_tiny_cpu(tmp_path) -> None:
+    """The threads workload reports its figure and the ratio to W2; each thread gets what one call alone gets."""
+    path = tmp_path / "t.json"
+    rc = bench.main(["--workload", "threads,w2", "--threads", "4", "--anchors", "eager", "--json", str(path), *TINY,
+                     "--warmup", "0"])
+    report = json.loads(path.read_text())
+    assert rc == 0 and report["valid"] is True
+    assert list(report["workloads"]) == ["w2", "threads"]  # measured (and shown) beside W2
+    threads = report["workloads"]["threads"]
+    assert threads["spec"]["num_requests"] == 4 and threads["spec"]["new_tokens"] == 32
+    assert set(threads["methods"]) == {"ours"}  # no stock anchor for it
+    assert "anchors_note" in threads
+    ours = threads["methods"]["ours"]
+    assert ours["valid"] is True and ours["tokens"] == [4 * 32] and ours["median_tokens_per_s"] > 0
+    w2 = report["workloads"]["w2"]["methods"]["ours"]["median_tokens_per_s"]
+    assert threads["threads_vs_w2"] == pytest.approx(ours["median_tokens_per_s"] / w2)
+    assert report["guard"]["cases"]["threads4"]["ok"] is True
+
+    from hf_accel.api import accelerate_model, restore
+
+    cpu = torch.device("cpu")
+    model = bench.build_model("tiny", None, torch.float32, cpu)
+    prompts = bench.random_prompts([16, 5, 16, 11, 16, 3], seed=7, vocab_size=model.config.vocab_size)
+    reference = [bench.call_generate(model, [p], 12, cpu)().tokens[0] for p in prompts]  # stock, one call each
+    accelerate_model(model, num_kv_blocks=256)
+    try:
+        out = bench.call_threads(model, prompts, 12, cpu)()
+    finally:
+        restore(model)
+    assert out.problems == [] and out.seconds > 0
+    assert out.tokens == reference
+
+
+@needs_api
+def test_bench_w5_serving_tiny_cpu(tmp_path) -> None:
+    """hf-accel serve under streamed load at a Poisson rate and all at once, beside the same requests offline."""
+    for module in ("fastapi", "uvicorn", "openai"):
+        pytest.importorskip(module)
+    path = tmp_path / "w5.json"
+    rc = bench.main(["--workload", "w5", "--w5-rates", "32,all", "--w5-requests", "8", "--anchors", "none",
+                     "--json", str(path), *TINY])
+    report = json.loads(path.read_text())
+    w5 = report["w5"]
+    assert rc == 0 and report["valid"] is True and w5["valid"] is True, w5["reasons"]
+    lengths, max_tokens = bench.SERVING_SCALES["tiny"].draws()
+    assert w5["spec"]["expected_tokens"] == sum(max_tokens[:8])
+    assert set(w5["rates"]) == {"32", "all"} and w5["headline_rate"] == "32"
+    for entry in w5["rates"].values():
+        run = entry["runs"][0]
+        assert run["problems"] == [] and run["tokens"] == sum(max_tokens[:8])
+        for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
+            assert entry["median"][key] > 0
+        assert entry["median"]["ttft_p50_s"] <= entry["median"]["ttft_p99_s"]
+    offline = w5["offline"]
+    assert offline["valid"] is True and offline["tokens"] == [sum(max_tokens[:8])]
+    assert offline["calls_per_run"] == len(set(max_tokens[:8]))
+    assert w5["server_vs_offline"] == pytest.approx(
+        w5["rates"]["32"]["median"]["tokens_per_s"] / offline["median_tokens_per_s"])
+    assert w5["stock"] is None  # --anchors none
+    # float32 on CPU: the server's streamed text maps back to exactly the offline tokens, request by request
+    assert w5["agreement_with_offline"]["rows_equal"] == 8
+    assert w5["server"]["exit_code"] == 0
+
+
+@needs_api
+@pytest.mark.slow
+def test_w5_stock_anchor_keeps_each_request_count() -> None:
+    """Stock continuous batching with per-request max_new_tokens (or the grouped fallback) gives every request
+    exactly its count."""
+    from hf_accel.bench import serving
+
+    model = bench.build_model("tiny", None, torch.float32, torch.device("cpu"))
+    prompts = bench.random_prompts([12, 30, 7], seed=3, vocab_size=1000)
+    out = serving.call_stock_per_request(model, prompts, [3, 6, 4])()
+    assert out.problems == [] and [len(t) for t in out.tokens] == [3, 6, 4] and out.seconds > 0
+    reference = [bench.call_generate(model, [p], m, torch.device("cpu"))().tokens[0]
+                 for p, m in zip(prompts, [3, 6, 4], strict=True)]
+    assert out.tokens == reference
+
+
+@needs_api
 @pytest.mark.slow
 def test_bench_startup_fresh_processes_tiny_cpu(tmp_path) -> None:
     path = tmp_path / "s.json"
@@ -254,7 +336,7 @@ def test_guard_accepts_only_near_ties_at_every_step(monkeypatch, leads, ok) -> N
         # steps 2 and 3 of row 0; top logit 3.0, where a bf16 ulp is 2**-6 (16 ulps = 0.25)
         return [[(2, leads[0], 3.0), (3, leads[1], 3.0)]]
 
-    monkeypatch.setattr(bench, "reference_margins", fake_margins)
+    monkeypatch.setattr(bench_guard, "reference_margins", fake_margins)  # looked up in the guard module
     bench.judge_near_ties(guard, cases, None, torch.device("cpu"), torch.bfloat16)
     assert seen["rows"] == [0]
     assert guard["passed"] is ok and guard["cases"]["b2"]["ok"] is ok

@@ -20,6 +20,7 @@ from conftest import (
     engine_steps,
     fresh_copy,
     left_pad,
+    run_requests,
     stock_processors,
 )
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, pipeline
@@ -319,7 +320,7 @@ def test_mixed_per_request_sampling_params_in_one_batch(stock_model, accel_model
     eng = engine_of(accel_model)
     reqs = _engine_requests(eng)
     before = eng.stats.steps
-    eng.run(reqs)
+    run_requests(accel_model, reqs)
     assert_engine_idle(accel_model)
     # all seven shared steps: one prefill step plus one decode step per further token
     assert eng.stats.steps - before == 8
@@ -344,7 +345,7 @@ def test_mixed_per_request_sampling_params_in_one_batch(stock_model, accel_model
     # each request alone (same seed) draws the same tokens as in the mixed batch
     alone = _engine_requests(eng)
     for req, solo in zip(reqs, alone, strict=True):
-        eng.run([solo])
+        run_requests(accel_model, [solo])
         assert solo.output_token_ids == req.output_token_ids, f"{req.sampling}: batch-dependent sampling"
     assert_engine_idle(accel_model)
 

@@ -586,9 +586,9 @@ def test_restore_during_a_rebuild_waits(monkeypatch):
     worker = threading.Thread(target=lambda: result.setdefault("out", run(accel)))
     worker.start()
     assert rebuilding.wait(30)
-    restore(accel)  # must wait for the call (and its rebuild) to finish
+    restore(accel)  # must wait for the call (and its rebuild) to finish: the call ran on the rebuilt engine
+    worker.join(10)  # the call is over; its thread only has to return
     assert not worker.is_alive()
-    worker.join()
     assert torch.equal(result["out"], run(stock))
     assert "_hf_accel_state" not in accel.__dict__ and accel.config._attn_implementation == "sdpa"
 

@@ -1,10 +1,15 @@
-"""LLMEngine: requests in, tokens out. Owns the KV cache, block manager, scheduler, runner and sampler."""
+"""LLMEngine: requests in, tokens out. Owns the KV cache, block manager, scheduler, runner and sampler.
+
+Not thread-safe by itself, on purpose: one engine thread per model (`engine/loop.py`, whose docstring says what runs
+on which thread) is the only one that steps it, adds and aborts requests; callers on any thread reach it through
+that loop. `check_request` alone may be called from anywhere (it reads nothing that changes).
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -118,14 +123,15 @@ class LLMEngine:
                         self.compile_info["graph_pool_bytes"] / 2**30, self.compile_info.get("cudagraph_mode"))
         logger.info("hf_accel: %s attention, %d KV blocks of %d tokens (%.2f GiB)", backend_cls.name, num_blocks,
                     self.block_size, self.kv_cache_bytes / 2**30)
-        self._next_id = 0
+        self._request_ids = itertools.count(1)
         snapshot = take_snapshot(model)
         self._structure = snapshot.structure
         self._engine_key = snapshot.engine
         self._prefix_key: tuple | None = None  # set by sync_with_model() at the first call
-        self._async = False  # set per run(): steps launched one ahead of the host
-        self._depth = 0  # run() calls in progress (a streamer or stopping criterion may call generate() again)
+        # set by the engine loop before each step: the step may be launched one ahead of the host
+        self.allow_async = False
         self._inflight: _InFlight | None = None
+        self._hook_errors: list[tuple[Request, BaseException]] = []  # stop checks that raised (see take_hook_errors)
 
     @property
     def has_frozen_code(self) -> bool:
@@ -141,7 +147,7 @@ class LLMEngine:
         the cached prefixes whenever their key (structure, versions and, by default, weight contents) changed, so
         a prefix is never served with KV computed under other weights or adapters (engine/model_state.py).
         """
-        if self.scheduler.has_work:
+        if self.is_busy:
             raise RuntimeError("internal error: sync_with_model() on a busy engine")
         snapshot = take_snapshot(self.model)
         if snapshot.engine != self._engine_key:
@@ -174,8 +180,10 @@ class LLMEngine:
         blocks = int(budget // per_block)
         if blocks < one_seq:
             raise RuntimeError(f"not enough GPU memory for the KV cache: {blocks} blocks fit, one sequence of "
-                               f"max_position_embeddings needs {one_seq}; lower max_num_batched_tokens or "
-                               f"raise gpu_memory_utilization")
+                               f"max_position_embeddings needs {one_seq} (GPU memory in use {used / 2**30:.1f} GiB, "
+                               f"of which this process's tensors {torch.cuda.memory_allocated(self.device) / 2**30:.1f}"
+                               f" GiB; peak activations {peak_activation / 2**30:.1f} GiB); lower "
+                               f"max_num_batched_tokens or raise gpu_memory_utilization")
         return blocks
 
     def _profile_activation_bytes(self) -> int:
@@ -212,13 +220,55 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def new_request_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
+        """Unique across caller threads (`next` on an itertools counter is atomic)."""
+        return next(self._request_ids)
 
-    def add_request(self, req: Request) -> None:
+    def check_request(self, req: Request) -> None:
+        """Raise if the request can never run here (an empty prompt, more KV blocks than the cache has). Reads no
+        mutable state, so any thread may call it."""
         if req.num_prompt_tokens == 0:
             raise ValueError("empty prompt: every request needs at least one token")
+        self.scheduler.check(req)
+
+    def add_request(self, req: Request) -> None:
+        self.check_request(req)
         self.scheduler.add(req)
+
+    def abort_request(self, req: Request) -> None:
+        """Drop a request that has not finished: out of the queues, its blocks freed. A token of it still in flight
+        is dropped when read back."""
+        if not req.is_finished:
+            self.scheduler.abort(req)
+
+    @property
+    def is_busy(self) -> bool:
+        """Requests queued or running, or a step still in flight."""
+        return self.scheduler.has_work or self._inflight is not None
+
+    def take_hook_errors(self) -> list[tuple[Request, BaseException]]:
+        """The (request, exception) pairs of the request callbacks (logits processors, stop checks) that raised in the
+        last step; the engine loop fails their calls."""
+        errors = self._hook_errors + self.sampler.hook_errors
+        self._hook_errors, self.sampler.hook_errors = [], []
+        return errors
+
+    def recover(self) -> None:
+        """After an exception anywhere in a step: drop every request and what is in flight, and rebuild the block
+        state from what is left alive (nothing), so the engine serves the next call with its whole cache."""
+        self._inflight = None
+        self._hook_errors, self.sampler.hook_errors = [], []
+        live = self.scheduler.live_requests()
+        try:
+            self.scheduler.abort_all()
+            for req in live:  # dead now, also one caught between leaving the scheduler and its release
+                req.num_pending_tokens = 0
+                req.block_ids, req.block_hashes = [], []
+        finally:
+            # the exception may have landed anywhere in the scheduler or block manager (a block taken off the free
+            # list and not yet recorded, a release cut short): rebuild the block state from the requests still alive
+            leaked = self.block_manager.reconcile(self.scheduler.live_requests())
+            if leaked:
+                logger.debug("hf_accel: %d KV blocks recovered after an exception", leaked)
 
     def step(self) -> list[tuple[Request, int]]:
         """Run one engine step; returns (request, token) for every token the host read back in it.
@@ -227,20 +277,25 @@ class LLMEngine:
         step's tokens while the GPU computes this one (the previous tokens fed this step from device memory), so
         tokens come back one step late and a request that finished is computed once more and that token dropped.
         """
+        caught_up: list[tuple[Request, int]] = []
+        if not self.allow_async and self._inflight is not None:
+            # a request that needs every token on the host joined: read the step in flight before planning the next
+            flight, self._inflight = self._inflight, None
+            caught_up = self._read_back(flight)
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         previous, self._inflight = self._inflight, None
         if not sched.requests:
             if previous is None:
-                if self.scheduler.has_work:
+                if self.scheduler.has_work and not caught_up:
                     raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
-                return []
-            return self._read_back(previous)
+                return caught_up
+            return caught_up + self._read_back(previous)
         if previous is not None and previous.inputs_ready is not None:
             previous.inputs_ready.synchronize()  # its host staging buffers are free again (long since, in practice)
         launched = self._launch(sched, previous)
-        if not self._async:
-            return self._read_back(launched)
+        if not self.allow_async:
+            return caught_up + self._read_back(launched)
         self._inflight = launched
         self.stats.async_steps += previous is not None
         return self._read_back(previous) if previous is not None else []
@@ -261,7 +316,7 @@ class LLMEngine:
         tokens, scores = self.sampler(logits, sampled)
         flight.tokens = tokens
         flight.rows = {id(r): i for i, r in enumerate(sampled)}
-        if self._async and tokens.device.type == "cuda":
+        if self.allow_async and tokens.device.type == "cuda":
             flight.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             flight.host_tokens.copy_(tokens, non_blocking=True)
             flight.ready = torch.cuda.Event()
@@ -299,59 +354,16 @@ class LLMEngine:
                 reason = "stop"
             elif len(req.output_token_ids) >= req.max_new_tokens:
                 reason = "length"
-            elif req.stop_check is not None and req.stop_check(req):
+            elif req.stop_check is not None and self._stop_check(req):
                 reason = "stop"
             if reason is not None:
                 self.scheduler.finish(req, reason)
         return out
 
-    def run(self, requests: list[Request],
-            on_tokens: Callable[[list[tuple[Request, int]]], None] | None = None) -> list[Request]:
-        """Add the requests and step until every one has finished. On error nothing stays queued.
-
-        Steps run asynchronously (one ahead of the host) when `AccelConfig.async_scheduling` is on and no request
-        needs token values on the host to be sampled (`Request.is_async_safe`); otherwise synchronously.
-
-        A call made while another is running (generate() from inside a streamer or a stopping criterion) first
-        reads back the running call's step in flight, then steps everything synchronously until the scheduler is
-        empty (the outer call's requests too, whose callbacks catch up from the requests' state), and hands the
-        outer call its mode back.
-        """
-        nested = self._depth > 0
-        outer_async = self._async
-        if nested:
-            if self._inflight is not None:
-                flight, self._inflight = self._inflight, None
-                self._read_back(flight)
-            self._async = False
-        else:
-            self._async = self.cfg.async_scheduling and all(r.is_async_safe for r in requests)
-            self._inflight = None
-        self._depth += 1
+    def _stop_check(self, req: Request) -> bool:
+        """The request's stop check; one that raises stops the request and is reported by take_hook_errors()."""
         try:
-            for req in requests:
-                self.add_request(req)
-            while self.scheduler.has_work or self._inflight is not None:
-                emitted = self.step()
-                if on_tokens is not None and emitted:
-                    on_tokens(emitted)
-        except BaseException:
-            self._inflight = None
-            try:
-                self.scheduler.abort_all()
-                for req in requests:  # dead now, also one caught between leaving the scheduler and its release
-                    req.num_pending_tokens = 0
-                    req.block_ids, req.block_hashes = [], []
-            finally:
-                # the exception may have landed anywhere in the scheduler or block manager (a block taken off the
-                # free list and not yet recorded, a release cut short): rebuild the block state from the requests
-                # still alive (none after abort_all; the others' requests once a failed call aborts only its own)
-                leaked = self.block_manager.reconcile(self.scheduler.live_requests())
-                if leaked:
-                    logger.debug("hf_accel: %d KV blocks recovered after an exception", leaked)
-            raise
-        finally:
-            self._depth -= 1
-            if nested:
-                self._async = outer_async
-        return requests
+            return bool(req.stop_check(req))
+        except BaseException as exc:  # noqa: BLE001 - the call's own error (even KeyboardInterrupt): its call fails
+            self._hook_errors.append((req, exc))
+            return True

@@ -176,6 +176,19 @@ def apply_warpers(scores: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 
 class Sampler:
+    """Batched sampling for one step's rows. A request's own logits hook (transformers processors) that raises does
+    not stop the step: its error is kept in `hook_errors` for the engine loop, which fails that request's call."""
+
+    def __init__(self) -> None:
+        self.hook_errors: list[tuple[Request, BaseException]] = []
+
+    def _run_hook(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
+        try:
+            return req.logits_hook(req, logits)[0]
+        except BaseException as exc:  # noqa: BLE001 - the call's own error (even KeyboardInterrupt): its call fails
+            self.hook_errors.append((req, exc))
+            return logits[0]
+
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """logits `[N, V]` for the requests that sample this step -> (token ids `[N]`, scores `[N, V]` float32).
 
@@ -205,7 +218,7 @@ class Sampler:
         if hooked:
             scores = scores.clone() if scores is logits else scores
             for i in hooked:  # slow path: the request's own transformers logits processors
-                scores[i] = reqs[i].logits_hook(reqs[i], logits[i : i + 1])[0]
+                scores[i] = self._run_hook(reqs[i], logits[i : i + 1])
         tokens = scores.argmax(dim=-1)
         sampling_rows = [i for i, r in enumerate(reqs) if r.sampling.do_sample]
         if sampling_rows:

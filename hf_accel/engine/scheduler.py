@@ -45,14 +45,17 @@ class Scheduler:
         self.running: list[Request] = []
         self.prefix_hit_tokens = 0  # tokens served from the prefix cache at admission, over the engine's life
 
-    def add(self, req: Request) -> None:
-        # a request that could never fit would preempt everyone forever: refuse it up front
+    def check(self, req: Request) -> None:
+        """Refuse a request that could never fit (it would preempt everyone forever). Reads no mutable state."""
         need = self.block_manager.blocks_needed(req.num_prompt_tokens + req.max_new_tokens)
         if need > self.block_manager.num_usable_blocks:
             raise ValueError(
                 f"request needs {need} KV blocks (prompt {req.num_prompt_tokens} + {req.max_new_tokens} new tokens) "
                 f"but the cache has {self.block_manager.num_usable_blocks}; raise num_kv_blocks or shorten the request"
             )
+
+    def add(self, req: Request) -> None:
+        self.check(req)
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
@@ -128,6 +131,18 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         (self.waiting if queued else self.running).remove(req)
+        self.block_manager.release(req)
+
+    def abort(self, req: Request) -> None:
+        """Cancel one request wherever it is (queued, running, or not added at all): out of the queues, its blocks
+        given back."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "abort"
+        for queue in (self.waiting, self.running):
+            for i, r in enumerate(queue):
+                if r is req:
+                    del queue[i]
+                    break
         self.block_manager.release(req)
 
     def abort_all(self) -> None:

@@ -1,0 +1,231 @@
+"""The correctness guard: our greedy tokens against the eager torch backend, with rounding near-ties judged by
+stock transformers teacher-forced on our tokens. A speed figure of ours only counts when the guard passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .environment import _api
+from .workloads import (
+    GUARD_SEED_BASE,
+    SCALES,
+    Progress,
+    WorkloadSpec,
+    call_generate,
+    call_generate_batch,
+    call_threads,
+    free_memory,
+    left_pad,
+    random_prompts,
+)
+
+# a divergence from the reference is a rounding near-tie (accepted, counted) when the reference's top-1 logit leads
+# the token we chose by at most GUARD_TIE_ULPS units in the last place of the top logit in the model's dtype:
+# kernels that sum in another order (fused vs eager, split-KV vs not) flip such ties in low precision
+GUARD_TIE_ULPS = 16
+GUARD_TIE_CAP = 0.5  # logits
+GUARD_NEW_TOKENS = {"full": 32, "tiny": 8}
+
+
+def agreement(a: list[list[int]] | None, b: list[list[int]] | None) -> dict[str, Any] | None:
+    """How far two greedy outputs agree: equal rows, first divergence, mean common prefix."""
+    if a is None or b is None or len(a) != len(b):
+        return None
+    prefixes, first_diff = [], None
+    for row, (x, y) in enumerate(zip(a, b, strict=True)):
+        n = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+        prefixes.append(n)
+        if first_diff is None and x != y:
+            first_diff = {"row": row, "step": n}
+    return {"rows": len(a), "rows_equal": sum(1 for x, y in zip(a, b, strict=True) if x == y),
+            "first_divergence": first_diff, "mean_common_prefix": sum(prefixes) / max(1, len(prefixes)),
+            "tokens_per_row": max((len(x) for x in a), default=0)}
+
+
+# ------------------------------------------------------------------------------------------------ the guard
+@dataclass
+class GuardCase:
+    name: str
+    api: str
+    prompts: list[list[int]]
+    new_tokens: int
+
+
+def guard_cases(specs: dict[str, WorkloadSpec], scale: str, vocab_size: int) -> list[GuardCase]:
+    """A few short requests in the batch shapes the selected workloads use (decode graphs differ per size)."""
+    n = GUARD_NEW_TOKENS[scale]
+    p = SCALES[scale]["w1"].prompt_len or 16
+    cases = [
+        GuardCase("batch1", "generate", random_prompts([p], GUARD_SEED_BASE, vocab_size), n),
+        GuardCase("ragged4", "generate",
+                  random_prompts([max(1, p // 8), p // 4 + 3, p // 2 + 1, p], GUARD_SEED_BASE + 1, vocab_size), n),
+    ]
+    if "w2" in specs:
+        w2 = specs["w2"]
+        cases.append(GuardCase(f"batch{w2.num_requests}", "generate",
+                               random_prompts(w2.prompt_lengths(), GUARD_SEED_BASE + 2, vocab_size), n))
+    if "w3" in specs:
+        lengths = specs["w3"].prompt_lengths()[:16]
+        cases.append(GuardCase("generate_batch", "generate_batch",
+                               random_prompts(lengths, GUARD_SEED_BASE + 3, vocab_size), n))
+    if "threads" in specs:  # ours: one generate() per thread; the reference: one batched call of the same prompts
+        th = specs["threads"]
+        cases.append(GuardCase(f"threads{th.num_requests}", "threads",
+                               random_prompts(th.prompt_lengths(), GUARD_SEED_BASE + 4, vocab_size), n))
+    return cases
+
+
+def run_guard_cases(model, cases: list[GuardCase], device: torch.device, progress: Progress,
+                    tag: str, threads_as_one_call: bool = False) -> dict[str, list[list[int]] | str]:
+    """Tokens per case, or the error text when the call failed. `threads_as_one_call` (the reference) runs a
+    "threads" case as one batched generate(), so ours is checked against what a single call gives."""
+    outs: dict[str, list[list[int]] | str] = {}
+    for case in cases:
+        with progress.step(f"guard {tag} {case.name}"):
+            try:
+                if case.api == "generate_batch":
+                    out = call_generate_batch(model, case.prompts, case.new_tokens)()
+                elif case.api == "threads" and not threads_as_one_call:
+                    out = call_threads(model, case.prompts, case.new_tokens, device)()
+                else:
+                    out = call_generate(model, case.prompts, case.new_tokens, device)()
+                outs[case.name] = out.tokens if not out.problems else "; ".join(out.problems)
+            except Exception as exc:
+                outs[case.name] = f"{type(exc).__name__}: {exc}"
+    return outs
+
+
+def _divergences(a: list[list[int]], b: list[list[int]]) -> list[dict[str, Any]]:
+    """Every row where ours (a) and the reference (b) differ: row, first differing step, our tokens."""
+    out = []
+    for row, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            step = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+            # a length mismatch is never a near-tie
+            out.append({"row": row, "step": step, "ours": x[step] if len(x) == len(y) else -1, "ours_row": list(x)})
+    return out
+
+
+def tie_margin_for(dtype: torch.dtype, top_logit: float) -> float:
+    """GUARD_TIE_ULPS units in the last place of `top_logit` in `dtype` (bf16: 8 significant bits), at most
+    GUARD_TIE_CAP: large logits (real checkpoints) must not turn a wrong token into a "tie"."""
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}.get(dtype, 23)
+    exponent = math.floor(math.log2(max(abs(top_logit), 2.0**-6)))
+    return min(GUARD_TIE_ULPS * 2.0 ** (exponent - mantissa_bits), GUARD_TIE_CAP)
+
+
+def reference_margins(model, case: GuardCase, divergences: list[dict[str, Any]],
+                      device: torch.device) -> list[list[tuple[int, float, float]]]:
+    """For each divergent row, from its first divergence to its end: (step, lead, top) where lead is the stock
+    model's top-1 logit minus its logit for the token we produced at that step, given exactly our tokens before.
+
+    `model` is the stock (restored) model; one teacher-forced forward per case scores all rows and steps, so every
+    token we produced after parting ways is checked, not only the first, and nothing drifts.
+    """
+    rows = [case.prompts[d["row"]] + d["ours_row"] for d in divergences]
+    gen = [len(d["ours_row"]) for d in divergences]
+    keep = max(gen) + 1  # positions predicting each generated token
+    input_ids, attention_mask = left_pad(rows, device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=keep, use_cache=False).logits  # [B, keep, V]
+    out = []
+    for i, d in enumerate(divergences):
+        if d["ours"] < 0:
+            out.append([(d["step"], float("inf"), float("nan"))])
+            continue
+        steps = []
+        for s in range(d["step"], gen[i]):
+            scores = logits[i, keep - 1 - gen[i] + s].float()  # the position just before generated token s
+            top = float(scores.max())
+            steps.append((s, top - float(scores[d["ours_row"][s]]), top))
+        out.append(steps)
+    return out
+
+
+def compare_guard(cases: list[GuardCase], ours: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """Per case: equal or not, with the first divergence and every divergent row (near-ties are judged later)."""
+    detail = {}
+    passed = True
+    for case in cases:
+        a, b = ours.get(case.name), ref.get(case.name)
+        entry: dict[str, Any] = {"requests": len(case.prompts), "new_tokens": case.new_tokens, "api": case.api,
+                                 "prompt_lengths": [len(p) for p in case.prompts]}
+        if isinstance(a, str) or isinstance(b, str) or a is None or b is None:
+            entry.update(equal=False, ours_error=a if isinstance(a, str) else None,
+                         reference_error=b if isinstance(b, str) else None)
+        else:
+            entry.update(equal=a == b, agreement=agreement(a, b))
+            if a != b and len(a) == len(b):
+                entry["divergences"] = _divergences(a, b)
+        entry["ok"] = bool(entry["equal"])
+        passed &= entry["ok"]
+        detail[case.name] = entry
+    return {"passed": passed, "reference": "accelerate_model(attention_backend='torch', enforce_eager=True)",
+            "cases": detail}
+
+
+def judge_near_ties(guard: dict[str, Any], cases: list[GuardCase], model, device: torch.device,
+                    dtype: torch.dtype) -> None:
+    """Accept a case whose every divergent row is, at every step from where it parted, the stock model's choice or
+    within a rounding near-tie of it (lead <= tie_margin_for); update `passed`. `model` must be the stock one."""
+    guard["tie_rule"] = (f"teacher-forced on our tokens, stock transformers' top-1 logit leads each of our tokens "
+                         f"after a divergence by <= {GUARD_TIE_ULPS} ulps of that logit ({dtype}), at most "
+                         f"{GUARD_TIE_CAP}")
+    for case in cases:
+        entry = guard["cases"][case.name]
+        divs = entry.get("divergences")
+        if entry["ok"] or not divs:
+            continue
+        try:
+            per_row = reference_margins(model, case, divs, device)
+        except Exception as exc:
+            entry["margin_error"] = f"{type(exc).__name__}: {exc}"
+            continue
+        for d, steps in zip(divs, per_row, strict=True):
+            checks = [(s, lead, top, tie_margin_for(dtype, top) if math.isfinite(top) else 0.0)
+                      for s, lead, top in steps]
+            worst = max(checks, key=lambda c: c[1] - c[3])
+            d["reference_lead"], d["reference_top"], d["tie_margin"] = checks[0][1], checks[0][2], checks[0][3]
+            d["worst_step"], d["worst_lead"], d["worst_margin"] = worst[0], worst[1], worst[3]
+            d["ok"] = all(lead <= margin for _, lead, _, margin in checks)
+            d.pop("ours_row", None)  # the tokens are in the record already; keep the JSON small
+        entry["near_ties"] = len(divs)
+        entry["ok"] = all(d["ok"] for d in divs)
+    guard["passed"] = all(c["ok"] for c in guard["cases"].values())
+    guard["near_ties"] = sum(c.get("near_ties", 0) for c in guard["cases"].values() if c["ok"])
+
+
+def run_guard(model, cases: list[GuardCase], kwargs: dict[str, Any], device: torch.device,
+              progress: Progress) -> dict[str, Any]:
+    """Ours (as accelerated now) vs accelerate_model(torch, enforce_eager) on the same short requests.
+
+    Leaves the model restored (stock), ready for the anchors.
+    """
+    api = _api()
+    ours_out = run_guard_cases(model, cases, device, progress, "ours")
+    api.restore(model)
+    free_memory(device)
+    try:
+        ref_kwargs = {k: v for k, v in kwargs.items() if k == "gpu_memory_utilization"}
+        api.accelerate_model(model, attention_backend="torch", enforce_eager=True, **ref_kwargs)
+        ref_out = run_guard_cases(model, cases, device, progress, "reference", threads_as_one_call=True)
+        guard = compare_guard(cases, ours_out, ref_out)
+        api.restore(model)  # near-ties are judged by stock transformers itself
+        judge_near_ties(guard, cases, model, device, next(model.parameters()).dtype)
+    except Exception as exc:
+        guard = {"passed": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    with contextlib.suppress(Exception):
+        api.restore(model)
+    free_memory(device)
+    return guard
+
+
