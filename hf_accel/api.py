@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from hf_accel.attention.autotune import (
     DECODE_WEIGHT,
@@ -39,7 +40,7 @@ from hf_accel.config import AccelConfig, CUDAGraphMode
 from hf_accel.engine.engine import LLMEngine, ModelShape
 from hf_accel.engine.loop import EngineCall, EngineLoop
 from hf_accel.engine.model_state import is_tuner_layer
-from hf_accel.generation import EngineGenerator, PreparedCall, stock_reason
+from hf_accel.generation import EngineGenerator, PreparedCall, eos_ids, stock_reason
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.patches import family_patch
 from hf_accel.streams import AsyncWaker, GenerationStream, StockGenerationStream, run_async
@@ -483,23 +484,23 @@ def _admit(model, counted_thread: bool) -> AccelState | None:
                 if state is None:
                     return None
         state.active_calls += 1
-        tid = threading.get_ident()
         counts = state.running_threads if counted_thread else state.async_threads
+        tid = threading.get_ident()
         counts[tid] = counts.get(tid, 0) + 1
         return state
 
 
-def _leave(model, state: AccelState, counted_thread: bool) -> None:
+def _leave(model, state: AccelState, counted_thread: bool, tid: int | None = None) -> None:
+    """The call admitted by `_admit` on thread `tid` (default: this one) is over. A stream may end on another
+    thread than the one that opened it (dropped, it is closed from a helper thread)."""
     record = _model_lock_record(model)
     with record.rlock:
         state.active_calls -= 1
         counts = state.running_threads if counted_thread else state.async_threads
-        for tid in (threading.get_ident(), *counts):  # an async call may end on another thread (a dropped stream)
-            if counts.get(tid):
-                counts[tid] -= 1
-                if not counts[tid]:
-                    del counts[tid]
-                break
+        tid = threading.get_ident() if tid is None else tid
+        counts[tid] -= 1
+        if not counts[tid]:
+            del counts[tid]
         record.changed.notify_all()
 
 
@@ -558,12 +559,9 @@ def _accelerated_generate(self, inputs: torch.Tensor | None = None, generation_c
     accelerated model as it is: outside an engine step the attention and the modules are the stock ones, so nothing
     has to be switched back (and no other thread's engine step sees a switched model).
     """
-    plan = _plan_generate(self, dict(inputs=inputs, generation_config=generation_config,
-                                     logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                                     prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, synced_gpus=synced_gpus,
-                                     assistant_model=assistant_model, streamer=streamer,
-                                     negative_prompt_ids=negative_prompt_ids,
-                                     negative_prompt_attention_mask=negative_prompt_attention_mask, **kwargs))
+    plan = _plan_generate(self, _generate_args(inputs, generation_config, logits_processor, stopping_criteria,
+                                               prefix_allowed_tokens_fn, synced_gpus, assistant_model, streamer,
+                                               negative_prompt_ids, negative_prompt_attention_mask, **kwargs))
     if plan.prepare is not None:
         out = _run_sync(self, plan.state, plan.prepare)
         if out is not _STOCK:
@@ -579,6 +577,8 @@ class _GeneratePlan:
     stock_args: dict[str, Any]
     state: AccelState | None = None
     prepare: Callable[[AccelState], PreparedCall] | None = None
+    input_ids: Any = None  # the prompt, however it was passed
+    generation_config: GenerationConfig | None = None  # resolved as stock resolves it (None: left to stock)
 
 
 def _plan_generate(model, stock_args: dict[str, Any], seed: int | None = None) -> _GeneratePlan:
@@ -596,7 +596,7 @@ def _plan_generate(model, stock_args: dict[str, Any], seed: int | None = None) -
     input_ids = kwargs.pop("input_ids", None)
     if inputs is not None and input_ids is not None:
         raise ValueError("pass the prompt either as `inputs` or as `input_ids`, not both")
-    input_ids = inputs if inputs is not None else input_ids
+    input_ids = plan.input_ids = inputs if inputs is not None else input_ids
     if isinstance(input_ids, torch.Tensor) and input_ids.dtype not in (torch.int64, torch.int32):
         return plan  # token ids must be integers: stock generate() raises its own error for anything else
     # the same test stock generate() makes, on the raw arguments: no max_length anywhere -> 20 *new* tokens
@@ -604,6 +604,7 @@ def _plan_generate(model, stock_args: dict[str, Any], seed: int | None = None) -
                               and (generation_config is None or generation_config.max_length is None)
                               and model.generation_config.max_length is None)
     gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    plan.generation_config = gc
     reason = stock_reason(gc, model_kwargs, dict(extra, stopping_criteria=stopping_criteria,
                                                  num_rows=_num_rows(input_ids)))
     if reason is None:
@@ -782,23 +783,17 @@ def agenerate_stream(self, inputs: torch.Tensor | None = None, generation_config
     except BaseException:
         _leave(self, state, counted_thread=False)
         raise
-    return GenerationStream(state.loop, call, waker, on_close=lambda: _leave(self, state, counted_thread=False))
+    tid = threading.get_ident()
+    return GenerationStream(state.loop, call, waker, on_close=lambda: _leave(self, state, False, tid))
 
 
 def _stock_stream(model, plan: _GeneratePlan) -> StockGenerationStream:
-    args = plan.stock_args
-    ids = args["inputs"] if args["inputs"] is not None else args.get("input_ids")
-    gc, _ = model._prepare_generation_config(args["generation_config"],
-                                             **{k: v for k, v in args.items() if k not in _STOCK_ONLY_ARGS})
-    eos = gc.eos_token_id
-    eos = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
-    rows = _num_rows(ids) * max(1, gc.num_return_sequences or 1)
-    return StockGenerationStream(lambda: type(model).generate(model, **args), int(ids.shape[-1]), eos, rows)
-
-
-_STOCK_ONLY_ARGS = {"inputs", "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
-                    "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
-                    "negative_prompt_attention_mask", "input_ids", "tokenizer", "assistant_tokenizer"}
+    """agenerate_stream() for a call that runs stock: the plan's resolved config says the EOS ids and row count."""
+    gc, ids = plan.generation_config, plan.input_ids
+    eos = set(eos_ids(gc)) if gc is not None else set()
+    rows = _num_rows(ids) * max(1, (gc.num_return_sequences if gc is not None else 1) or 1)
+    prompt_len = int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0  # embeds only: stock returns new tokens
+    return StockGenerationStream(lambda: type(model).generate(model, **plan.stock_args), prompt_len, eos, rows)
 
 
 # bound to a model as instance attributes, these pickle as `getattr(model, name)`: under these names a pickled

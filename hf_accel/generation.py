@@ -84,7 +84,7 @@ def stock_reason(generation_config: GenerationConfig, model_kwargs: dict[str, An
     if gc.cache_implementation == "paged":
         return "cache_implementation='paged' (transformers' own continuous batching)"
     rows = extra.get("num_rows", 1) * max(1, gc.num_return_sequences or 1)
-    if rows > 1 and not _eos_ids(gc) and (gc.stop_strings is not None or extra.get("stopping_criteria")):
+    if rows > 1 and not eos_ids(gc) and (gc.stop_strings is not None or extra.get("stopping_criteria")):
         # without an EOS token stock generate() does not pad a row that met its stop criterion: the row keeps
         # generating real tokens until every row has stopped
         return "stop strings / stopping criteria with no EOS token in a batch"
@@ -102,7 +102,7 @@ def stock_reason(generation_config: GenerationConfig, model_kwargs: dict[str, An
     return None
 
 
-def _eos_ids(gc: GenerationConfig) -> list[int]:
+def eos_ids(gc: GenerationConfig) -> list[int]:
     eos = gc.eos_token_id
     if eos is None:
         return []
@@ -191,7 +191,7 @@ class EngineGenerator:
         if batch == 0 or padded_len == 0:
             raise ValueError("empty prompt: input_ids has no tokens (generate needs at least one prompt token)")
         device = input_ids.device
-        eos = _eos_ids(gc)
+        eos = eos_ids(gc)
         pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else None)
         if isinstance(pad, torch.Tensor):
             pad = int(pad.item())
@@ -335,7 +335,7 @@ class EngineGenerator:
             max_new = gc.max_length or 20
         if max_new <= 0:
             raise ValueError(f"`max_new_tokens` must be greater than 0, but is {max_new}.")
-        eos = frozenset(_eos_ids(gc))
+        eos = frozenset(eos_ids(gc))
         base_seed = call_seed(None, bool(gc.do_sample))
         max_pos = self.engine.shape.max_model_len
         requests, ids = [], []

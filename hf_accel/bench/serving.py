@@ -49,6 +49,7 @@ from .workloads import (
     call_grouped_generate_batch,
     free_memory,
     random_prompts,
+    record_run,
     timed,
 )
 
@@ -468,13 +469,7 @@ def _measure_calls(label: str, make_call: Callable[[int], Callable[[], CallOutpu
         for r, seed in enumerate(run_seeds):
             with progress.step(f"w5 {tag} run {r + 1}/{len(run_seeds)}"):
                 secs, out = timed(make_call(seed), device)
-            secs = out.seconds if out.seconds is not None else secs
-            produced = sum(len(t) for t in out.tokens)
-            rec["run_s"].append(secs)
-            rec["tokens"].append(produced)
-            rec["tokens_per_s"].append(produced / secs if secs > 0 else math.inf)
-            if out.problems:
-                rec["reasons"].append(f"run {r + 1}: " + "; ".join(out.problems))
+            record_run(rec, r, secs, out)
             if first is None:
                 first = out.tokens
     except Exception as exc:

@@ -448,6 +448,18 @@ class Progress:
 
 
 # ------------------------------------------------------------------------------------------------ measurement
+def record_run(rec: dict[str, Any], r: int, secs: float, out: CallOutput) -> None:
+    """One timed run into a method's record: seconds (the call's own figure when it measured one), tokens, tokens/s
+    and any problem it reported."""
+    secs = out.seconds if out.seconds is not None else secs
+    produced = sum(len(t) for t in out.tokens)
+    rec["run_s"].append(secs)
+    rec["tokens"].append(produced)
+    rec["tokens_per_s"].append(produced / secs if secs > 0 else math.inf)
+    if out.problems:
+        rec["reasons"].append(f"run {r + 1}: " + "; ".join(out.problems))
+
+
 def measure_method(method: str, spec: WorkloadSpec, make_call: Callable[[list[list[int]]], Callable[[], CallOutput]],
                    vocab_size: int, warmup: int, repeats: int, device: torch.device,
                    progress: Progress) -> tuple[dict[str, Any], list[list[int]] | None]:
@@ -475,14 +487,7 @@ def measure_method(method: str, spec: WorkloadSpec, make_call: Callable[[list[li
             fn = make_call(random_prompts(lengths, rec["input_seeds"][r], vocab_size))
             with progress.step(f"{spec.name} {method} run {r + 1}/{repeats}"):
                 secs, out = timed(fn, device)
-            if out.seconds is not None:
-                secs = out.seconds
-            produced = sum(len(t) for t in out.tokens)
-            rec["run_s"].append(secs)
-            rec["tokens"].append(produced)
-            rec["tokens_per_s"].append(produced / secs if secs > 0 else math.inf)
-            if out.problems:
-                rec["reasons"].append(f"run {r + 1}: " + "; ".join(out.problems))
+            record_run(rec, r, secs, out)
             if first is None:
                 first = out.tokens
     except Exception as exc:  # an anchor running out of memory must not end the benchmark

@@ -248,6 +248,8 @@ class LLMEngine:
     def take_hook_errors(self) -> list[tuple[Request, BaseException]]:
         """The (request, exception) pairs of the request callbacks (logits processors, stop checks) that raised in the
         last step; the engine loop fails their calls."""
+        if not self._hook_errors and not self.sampler.hook_errors:  # every step asks: no lists made for nothing
+            return []
         errors = self._hook_errors + self.sampler.hook_errors
         self._hook_errors, self.sampler.hook_errors = [], []
         return errors

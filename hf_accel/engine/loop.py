@@ -292,7 +292,8 @@ class EngineLoop:
             if owner is None:
                 continue
             call, i = owner
-            call._push((i, tok, None))
+            if call.wants_events:
+                call._push((i, tok, None))
             if req.is_finished:
                 finished[id(req)] = (call, i, req)
             touched[id(call)] = call
