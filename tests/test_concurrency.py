@@ -423,11 +423,14 @@ def test_agenerate_stream_deltas_abort_and_cancel(pair):
     assert bm.num_free_blocks == bm.num_usable_blocks
 
     async def cancel_task():
+        started = asyncio.Event()
+
         async def consume():
             async for _ in accel.agenerate_stream(**long_kw):
-                await asyncio.sleep(0.001)
+                started.set()
+                await asyncio.sleep(0.05)  # a slow consumer: the stream is still open when the task is cancelled
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
