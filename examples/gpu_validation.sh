@@ -73,6 +73,17 @@ case "${1:-tests}" in
     timeout 300 python3 examples/train_generate_loop.py --iters 2 --digest-8b --json "$OUT/loop.json" \
       >"$OUT/loop.log" 2>&1
     grep -vi warn "$OUT/loop.log" | tail -n 6 ;;
+  profile)  # issue 14: per-kernel GPU time of W1 (every shape) and W2 decode steps, one log per case
+    for c in ${PROFILE_CASES:-"qwen3-0.6b 1" "llama-3.2-1b 1" "llama-3.1-8b 1" "qwen3-0.6b 64" "llama-3.1-8b 64"}; do
+      set -- $c
+      timeout 150 python3 examples/profile_decode.py --shape "$1" --batch "$2" --new-tokens 64 --top 30 \
+        >"$OUT/profile-$1-b$2.log" 2>&1
+      echo "== $1 batch $2"; grep -E "^generate:|accelerate_model:" "$OUT/profile-$1-b$2.log" | cut -c1-150
+      sed -n '/by kind/,$p' "$OUT/profile-$1-b$2.log"
+    done ;;
+  gemm)  # issue 14: decode GEMMs, cuBLAS against the small-M Triton GEMM, with and without PDL
+    timeout 400 python3 examples/bench_skinny_gemm.py --ms 1 16 64 --json "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
+    grep -E "CHAIN|device" "$OUT/gemm.log"; grep -vE "CHAIN|device" "$OUT/gemm.log" | cut -c1-120 | tail -n 60 ;;
   selection)  # backend-selection parity alone: on a fresh machine FlashInfer JIT-compiles each head dim and each
     # soft-cap / window variant (about 75 s each); six workers build them side by side
     timeout 590 python3 -m pytest -m gpu $P -rA $XDIST tests/test_backend_selection.py >"$OUT/selection.log" 2>&1

@@ -79,6 +79,43 @@ def main() -> None:
         print(f"--- GPU: kernels {gpu_us / 1e3:.1f} ms of {wall * 1e3:.1f} ms wall "
               f"({gpu_us / 1e3 / args.new_tokens:.3f} ms/step) ---")
         print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
+        print(f"--- GPU kernel time per decode step by kind (us/step; {args.new_tokens} steps) ---")
+        kinds: dict[str, list[float]] = {}
+        for e in events:
+            if e.self_device_time_total <= 0 or getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            kinds.setdefault(kernel_kind(e.key), [0.0, 0])
+            kinds[kernel_kind(e.key)][0] += e.self_device_time_total
+            kinds[kernel_kind(e.key)][1] += e.count
+        for kind, (us, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+            print(f"{kind:28s} {us / args.new_tokens:9.1f} us/step  {n / args.new_tokens:7.1f} kernels/step  "
+                  f"{us / max(n, 1):6.2f} us each")
+        total_n = sum(n for _, n in kinds.values())
+        print(f"{'all kernels':28s} {gpu_us / args.new_tokens:9.1f} us/step  {total_n / args.new_tokens:7.1f} "
+              f"kernels/step; wall {wall / args.new_tokens * 1e6:.1f} us/step")
+
+
+def kernel_kind(name: str) -> str:
+    """A coarse class of a kernel's name, for the per-step table."""
+    n = name.lower()
+    if "attention" in n or "split_kv" in n or "merge_splits" in n or "flash" in n or "batchdecode" in n:
+        return "attention"
+    if "write_kv" in n or "append_paged" in n:
+        return "kv write"
+    if "nvjet" in n or "gemm" in n or "cutlass" in n or "splitk" in n or "gemv" in n or "skinny" in n \
+            or "split_reduce" in n:
+        return "gemm"
+    if "triton_" in n and ("mean" in n or "rsqrt" in n or "pow" in n):
+        return "inductor: norm (+ residual)"
+    if "triton_" in n and "silu" in n:
+        return "inductor: silu*mul"
+    if "triton_" in n:
+        return "inductor: other"
+    if "argmax" in n or "reduce_kernel" in n or "softmax" in n:
+        return "sampling"
+    if "memcpy" in n or "copy" in n or "fill" in n:
+        return "copies"
+    return "other"
 
 
 if __name__ == "__main__":

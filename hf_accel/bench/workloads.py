@@ -23,7 +23,7 @@ import torch
 
 # in measuring order; "threads" sits beside "w2", whose figure it is compared with
 WORKLOAD_NAMES = ("w1", "w2", "threads", "w3", "w5", "startup")
-SHAPE_NAMES = ("tiny", "tiny-llama", "qwen3-0.6b", "llama-3.1-8b")
+SHAPE_NAMES = ("tiny", "tiny-llama", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b")
 TOKEN_LOW, TOKEN_HIGH = 10, 10000
 W3_LENGTH_SEED = 0
 # token-id seeds: timed repeat r of a workload uses WORKLOAD_SEED[w] + r, its warm-up call i WORKLOAD_SEED[w] +
@@ -35,8 +35,10 @@ GIB = 1 << 30
 
 # WORKLOADS.md targets (tokens/s for w1-w3; seconds and bytes for startup; threads: a fraction of ours on W2)
 TARGETS: dict[str, dict[str, float]] = {
-    "qwen3-0.6b": {"w1": 1_000, "w2": 40_000, "w3": 28_000, "graph_pool_bytes": GIB, "threads_vs_w2": 0.9},
-    "llama-3.1-8b": {"w1": 240, "w2": 12_000, "startup_cold_s": 45, "startup_warm_s": 15, "graph_pool_bytes": GIB,
+    "qwen3-0.6b": {"w1": 1_000, "w2": 45_000, "w3": 33_000, "startup_cold_s": 45, "graph_pool_bytes": GIB,
+                   "threads_vs_w2": 0.9},
+    "llama-3.2-1b": {"w1": 1_300, "startup_cold_s": 45, "graph_pool_bytes": GIB},
+    "llama-3.1-8b": {"w1": 245, "w2": 12_500, "startup_cold_s": 45, "startup_warm_s": 10, "graph_pool_bytes": GIB,
                      "threads_vs_w2": 0.9},
 }
 
@@ -57,6 +59,10 @@ def shape_config(shape: str):
         cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                           num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
                           rope_theta=1e6)
+    elif shape == "llama-3.2-1b":
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                          rope_theta=500000, max_position_embeddings=131072)
     elif shape == "llama-3.1-8b":
         cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000)
