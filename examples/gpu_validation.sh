@@ -74,7 +74,7 @@ case "${1:-tests}" in
       >"$OUT/loop.log" 2>&1
     grep -vi warn "$OUT/loop.log" | tail -n 6 ;;
   profile)  # issue 14: per-kernel GPU time of W1 (every shape) and W2 decode steps, one log per case
-    for c in ${PROFILE_CASES:-"qwen3-0.6b 1" "llama-3.2-1b 1" "llama-3.1-8b 1" "qwen3-0.6b 64" "llama-3.1-8b 64"}; do
+    for c in "qwen3-0.6b 1" "llama-3.2-1b 1" "llama-3.1-8b 1" "qwen3-0.6b 64"; do
       set -- $c
       timeout 150 python3 examples/profile_decode.py --shape "$1" --batch "$2" --new-tokens 64 --top 30 \
         >"$OUT/profile-$1-b$2.log" 2>&1
