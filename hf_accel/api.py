@@ -451,6 +451,8 @@ def engine_info(model) -> dict[str, Any]:
         "kv_cache_bytes": eng.kv_cache_bytes, "graph_pool_bytes": state.extra_info.get("graph_pool_bytes", 0),
         "startup": dict(state.startup), "compile_cache": state.extra_info.get("compile_cache"),
         "backend_autotune": state.extra_info.get("backend_autotune"),
+        "pdl": bool(getattr(eng, "use_pdl", False)),
+        "small_m_gemm": eng.compile_info.get("small_m_gemm"),
         "fused_ops": ({"norms": state.fused_ops.norms, "mlps": state.fused_ops.mlps}
                       if state.fused_ops is not None and state.fused_ops.modules else None),
         "config": {k: (v.value if hasattr(v, "value") else v) for k, v in vars(state.config).items()},

@@ -62,6 +62,11 @@ class AccelConfig:
     # every weight's bits at the start of each call on an idle engine (catches edits through `.data` and PEFT merges);
     # "version" trusts in-place version counters only (free; blind to `.data` writes)
     prefix_cache_weight_check: str = "content"
+    # decode-speed switches (each one flag, for A/B): programmatic dependent launch for our Triton kernels and
+    # Inductor's (None: on where supported, i.e. CUDA sm90+ with a triton that exposes it; False: off); the small-M
+    # GEMM for decode linears, used per weight shape and row count only where it beat cuBLAS at warm-up
+    pdl: bool | None = None
+    small_m_gemm: bool = True
     extra: dict = field(default_factory=dict)
 
     def updated(self, **overrides) -> AccelConfig:

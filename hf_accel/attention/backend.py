@@ -126,6 +126,8 @@ class AttentionBackend:
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
         self.max_blocks_per_seq = max_blocks_per_seq
+        # launch our own kernels with programmatic dependent launch (hf_accel.ops.pdl); the engine sets it
+        self.use_pdl = False
 
     def prepare(self, meta: StepMetadata) -> None:
         """Once per step, before the forward (and outside any CUDA graph capture): build backend state."""

@@ -123,7 +123,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: StepMetadata) -> None:
-        self._kv_write.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        self._kv_write.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, self.use_pdl)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
                 output: torch.Tensor, scale: float, sliding_window: int, softcap: float) -> None:
@@ -133,9 +133,10 @@ class TritonAttentionBackend(AttentionBackend):
             self._split.split_kv_decode(
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
+                self.use_pdl,
             )
         else:
             self._unified.unified_attention(
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                scale, sliding_window, softcap, meta.max_query_len, self.unified_config,
+                scale, sliding_window, softcap, meta.max_query_len, self.unified_config, self.use_pdl,
             )

@@ -184,6 +184,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--max-num-seqs", type=int, default=None)
     a.add_argument("--max-num-batched-tokens", type=int, default=None)
     a.add_argument("--no-prefix-caching", action="store_true")
+    a.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="programmatic dependent launch (default: on where supported); --no-pdl for the A/B")
+    a.add_argument("--small-m-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="the tuned small-M GEMM for decode linears (default: on); --no-small-m-gemm for the A/B")
 
     o = parser.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH", help="write every raw figure here")

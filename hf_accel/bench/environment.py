@@ -92,6 +92,10 @@ def accel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[name] = getattr(args, name)
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
+    if args.pdl is not None:
+        kw["pdl"] = args.pdl
+    if args.small_m_gemm is not None:
+        kw["small_m_gemm"] = args.small_m_gemm
     return kw
 
 
@@ -114,6 +118,10 @@ def _accel_argv(args: argparse.Namespace) -> list[str]:
             argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
+    for name in ("pdl", "small_m_gemm"):
+        if getattr(args, name) is not None:
+            flag = name.replace("_", "-")
+            argv.append(f"--{flag}" if getattr(args, name) else f"--no-{flag}")
     return argv
 
 

@@ -75,7 +75,8 @@ def format_report(report: dict[str, Any]) -> str:
             head.append(f"attention 'auto': autotune failed ({tune['error']}), static choice {tune.get('chosen')}")
     bw = env.get("copy_bandwidth_bytes_per_s")
     if bw:
-        head.append(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (roofline = weights + KV read once per step)")
+        head.append(f"device copy bandwidth: {bw / 1e12:.2f} TB/s; 'of bandwidth' = bytes moved per step (weights + "
+                    "KV read + KV written) / step time, as a fraction of it (the HBM roofline row is 100 %)")
     guard = report.get("guard")
     if guard is not None:
         if guard.get("ran") is False:
@@ -134,7 +135,7 @@ def format_report(report: dict[str, Any]) -> str:
                            if goal else "")
                 rows.append(["", "threads / one W2 call (both ours)",
                              f"{ratio:.1%}" if ratio is not None else "- (needs w2)", "", "", "", verdict])
-        out.append(_table(rows, ["workload", "method", "tokens/s (median)", "runs", "ours/this", "of roofline",
+        out.append(_table(rows, ["workload", "method", "tokens/s (median)", "runs", "ours/this", "of bandwidth",
                                  "target"]))
         notes = []
         for w, entry in report["workloads"].items():

@@ -149,10 +149,13 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 def decode_roofline_tokens_per_s(weights: int, kv_per_token: int, prompt_lens: Sequence[int], new_tokens: int,
                                  bandwidth: float, max_batch: int | None = None) -> float:
-    """Tokens/s if each decode step only streamed every weight once plus the KV of each running sequence.
+    """Tokens/s if each decode step only moved its bytes: every weight read once, each running sequence's KV read
+    once and its new token's KV written once, at `bandwidth`.
 
     Requests run in waves of `max_batch` (all together when None); within a wave, step s (0-based) reads the
-    weights once and, for each sequence, the KV of its prompt plus the s tokens generated so far.
+    weights once and, for each sequence, the KV of its prompt plus the s tokens generated so far, and writes one
+    token's KV per sequence. A measured figure divided by this is the fraction of the bandwidth the run used
+    (bytes moved per step / step time / bandwidth): the report's "of bandwidth" column.
     """
     if new_tokens <= 0 or not prompt_lens or bandwidth <= 0:
         raise ValueError("need new_tokens > 0, at least one request and a positive bandwidth")
@@ -161,7 +164,8 @@ def decode_roofline_tokens_per_s(weights: int, kv_per_token: int, prompt_lens: S
     total_bytes, tokens = 0.0, 0
     for i in range(0, len(lens), wave):
         chunk = lens[i:i + wave]
-        kv_tokens = new_tokens * sum(chunk) + len(chunk) * new_tokens * (new_tokens - 1) / 2
+        kv_tokens = new_tokens * sum(chunk) + len(chunk) * new_tokens * (new_tokens - 1) / 2  # read
+        kv_tokens += len(chunk) * new_tokens  # written
         total_bytes += new_tokens * weights + kv_per_token * kv_tokens
         tokens += len(chunk) * new_tokens
     return tokens * bandwidth / total_bytes

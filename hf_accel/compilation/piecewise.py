@@ -42,6 +42,7 @@ from torch.fx.passes.split_module import split_module
 import hf_accel.attention.op  # noqa: F401  (registers torch.ops.hf_accel.attention)
 from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, weak_ref_tree
 from hf_accel.compilation.linear_packing import merge_packed_linears
+from hf_accel.compilation.small_m_linear import route_small_m_linears
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +58,23 @@ class CompileStats:
     num_compiled: int = 0  # distinct compiles after sharing identical pieces
     num_graphable: int = 0  # pieces that get CUDA graphs
     num_merged_linears: int = 0  # groups of sibling linears run as one GEMM (linear_packing)
+    routed_linears: list[tuple[int, int, bool]] = field(default_factory=list)  # (n, k, bias) via hf_accel::linear
     trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend)
     compile_seconds: float = 0.0  # split + Inductor
     capture_seconds: float = 0.0
     captured_sizes: list[int] = field(default_factory=list)
     pool_bytes_allocated: int = 0
     pool_bytes_reserved: int = 0
+
+
+def inductor_pdl(on: bool) -> contextlib.AbstractContextManager:
+    """Inductor config for the pieces: generated Triton kernels use PDL (`triton.enable_pdl`, torch >= 2.10) when
+    `on`; explicitly off otherwise, whatever TORCHINDUCTOR_ENABLE_PDL says, so the switch is one flag."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        return contextlib.nullcontext()
+    return inductor_config.patch({"triton.enable_pdl": bool(on)})
 
 
 def _is_splitting_node(node: torch.fx.Node, ops: Sequence[Any]) -> bool:
@@ -211,7 +223,10 @@ class PiecewiseForward:
                  splitting_ops: Sequence[Any] | None = None, share_identical_pieces: bool = True,
                  token_dims: Sequence[tuple[int, int]] = ((0, 1), (1, 1)),
                  other_dynamic_dims: Sequence[tuple[int, int]] = ((2, 0),),
-                 bypass_dynamo: bool = True, merge_linears: bool = True) -> None:
+                 bypass_dynamo: bool = True, merge_linears: bool = True, route_linears: bool = False,
+                 pdl: bool = False) -> None:
+        """`route_linears`: linears go through `hf_accel::linear` (small-M GEMM where tuned; compile pass
+        `small_m_linear`). `pdl`: Inductor's kernels are generated with programmatic dependent launch (sm90+)."""
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"compiler must be 'inductor' or 'eager', got {compiler!r}")
         self.forward_fn = forward_fn
@@ -225,6 +240,8 @@ class PiecewiseForward:
         self.other_dynamic_dims = tuple(other_dynamic_dims)
         self.bypass_dynamo = bypass_dynamo
         self.merge_linears = merge_linears
+        self.route_linears = route_linears
+        self.pdl = pdl
         self.stats = CompileStats()
         # set by the backend
         self.split_gm: torch.fx.GraphModule | None = None
@@ -307,6 +324,8 @@ class PiecewiseForward:
         t0 = time.perf_counter()
         if self.merge_linears:
             self.stats.num_merged_linears = merge_packed_linears(gm, example_inputs)
+        if self.route_linears:
+            self.stats.routed_linears = route_small_m_linears(gm, self.pdl)
         split_gm = self._build(gm, example_inputs)
         self.stats.compile_seconds = time.perf_counter() - t0
         if self._tracing_args is not None:
@@ -464,7 +483,7 @@ class PiecewiseForward:
         from torch._inductor.compile_fx import compile_fx
 
         ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-        with ctx, torch.no_grad():
+        with ctx, torch.no_grad(), inductor_pdl(self.pdl):
             fn = compile_fx(submod, args)
         return fn  # positional arguments (its `_boxed_call` attribute is copied from an inner function)
 

@@ -23,6 +23,7 @@ from hf_accel.engine.request import Request, RequestStatus
 from hf_accel.engine.runner import ModelRunner, engine_forward
 from hf_accel.engine.sampler import Sampler
 from hf_accel.engine.scheduler import Scheduler
+from hf_accel.ops import pdl
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +109,17 @@ class LLMEngine:
         self.sampler = Sampler()
         self.stats.timings["kv_cache_s"] = time.perf_counter() - t0
         self.compile_info: dict = {}
+        self.use_pdl = cfg.pdl is not False and pdl.supported(self.device)
+        if cfg.pdl and not self.use_pdl:
+            logger.info("hf_accel: pdl=True but programmatic dependent launch needs CUDA sm90+ and a triton that "
+                        "exposes it; running without")
+        self.backend.use_pdl = self.use_pdl
         if cfg.compile or cfg.cudagraph_mode.value != "none":
             try:
                 self.compile_info = self.runner.enable_compilation(
                     cfg.cudagraph_mode, list(cfg.cudagraph_capture_sizes or []), bool(cfg.compile),
-                    cfg.compile_cache_dir, model.config, spec.dtype)
+                    cfg.compile_cache_dir, model.config, spec.dtype, pdl=self.use_pdl,
+                    small_m_gemm=cfg.small_m_gemm)
             except BaseException:
                 self.kv_caches.clear()  # give the cache's memory back even while the traceback lives on
                 if self.device.type == "cuda":

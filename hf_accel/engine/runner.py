@@ -254,8 +254,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
-                           model_config, dtype: torch.dtype) -> dict:
-        """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings."""
+                           model_config, dtype: torch.dtype, *, pdl: bool = False,
+                           small_m_gemm: bool = False) -> dict:
+        """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings.
+
+        `pdl`: Inductor's kernels use programmatic dependent launch. `small_m_gemm`: linears go through
+        `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket.
+        """
         import time
 
         from hf_accel.compilation.cache import setup_compile_cache
@@ -282,7 +287,7 @@ class ModelRunner:
             info["compile_cache"] = {"dir": str(cache.path) if cache.path else None, "warm": cache.warm}
             self.piecewise = compile_piecewise(self.forward_2d, capture_sizes=self.dispatcher.piecewise_sizes,
                                                use_cudagraph=on_cuda and bool(self.dispatcher.piecewise_sizes),
-                                               graph_pool=pool)
+                                               graph_pool=pool, route_linears=small_m_gemm and on_cuda, pdl=pdl)
             meta = self.upload(self.dummy_inputs([15, 1]))
             self.backend.prepare(meta)
             try:
@@ -306,6 +311,14 @@ class ModelRunner:
             if self.piecewise is not None:  # where the compile time goes: Dynamo tracing vs split + Inductor
                 info["trace_s"] = self.piecewise.stats.trace_seconds
                 info["split_compile_s"] = self.piecewise.stats.compile_seconds
+            if self.piecewise is not None and self.piecewise.stats.routed_linears:
+                from hf_accel.ops.linear import decisions_for, tune_linears
+
+                shapes = self.piecewise.stats.routed_linears
+                report = tune_linears(shapes, dtype, self.device, use_pdl=pdl,
+                                      cache_dir=cache.path if cache.path else None)
+                report["decisions"] = decisions_for(shapes, self.device, dtype)
+                info["small_m_gemm"] = report
         if compile:
             t0 = time.perf_counter()
 

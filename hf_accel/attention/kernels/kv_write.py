@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.ops.pdl import launch_kwargs
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -18,9 +20,12 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
+    if USE_PDL:  # everything below reads or writes what earlier kernels of the step touch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
         return
@@ -40,7 +45,7 @@ def _write_kv_kernel(
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, use_pdl: bool = False) -> None:
     """Write `key`/`value` `[T, Hkv, D]` into `k_cache`/`v_cache` `[num_blocks, block_size, Hkv, D]`.
 
     Row `t` goes to flat slot `slot_mapping[t]`; rows with a negative slot are skipped. Only the first `T` entries
@@ -61,5 +66,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h,
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4,
+        BLOCK_SIZE=k_cache.shape[1], USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
     )

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.attention.kernels.common import TileConfig, attend_tile, dot_precision, find_seq
+from hf_accel.ops.pdl import launch_kwargs
 
 MAX_SPLITS = 64
 # Split only while the plain grid would leave the GPU under-filled, and aim for about this many programs per SM.
@@ -32,11 +33,14 @@ def _split_kv_decode_kernel(
     stride_po_seq, stride_po_split, stride_po_head, stride_pl_seq, stride_pl_split,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if USE_PDL:  # the query, the KV just written and the scratch the last merge read belong to earlier kernels
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -89,9 +93,13 @@ def _merge_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr, num_seqs,
     stride_ot, stride_oh, stride_po_seq, stride_po_split, stride_po_head, stride_pl_seq, stride_pl_split,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq = find_seq(query_start_loc_ptr, tok, num_seqs, 1, False)
     is_real = seq < num_seqs
     seq_len = tl.where(is_real, tl.load(seq_lens_ptr + tl.minimum(seq, num_seqs - 1)), 0)
@@ -140,7 +148,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n
 def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, output: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, sliding_window: int, softcap: float, num_splits: int,
-                    part_out: torch.Tensor, part_lse: torch.Tensor, config: TileConfig | None = None) -> None:
+                    part_out: torch.Tensor, part_lse: torch.Tensor, config: TileConfig | None = None,
+                    use_pdl: bool = False) -> None:
     """Decode attention (each sequence's last query row against its KV) with KV split `num_splits` ways.
 
     `part_out` (float32, >= `num_seqs * num_splits * H * D` elements) and `part_lse` (float32, >= `num_seqs *
@@ -178,11 +187,12 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl),
     )
     _merge_splits_kernel[(num_tokens, num_heads)](
         output, po, pl, query_start_loc, seq_lens, num_seqs,
         output.stride(0), output.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, num_warps=4 if head_dim_pad * num_splits >= 4096 else 2,
+        HEAD_DIM_PAD=head_dim_pad, USE_PDL=use_pdl, num_warps=4 if head_dim_pad * num_splits >= 4096 else 2,
+        **launch_kwargs(use_pdl),
     )

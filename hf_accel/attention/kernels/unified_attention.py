@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.attention.kernels.common import TileConfig, attend_tile, dot_precision, find_seq
+from hf_accel.ops.pdl import launch_kwargs
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_seqs", "window"])
@@ -26,8 +27,11 @@ def _unified_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # the query, the KV just written and the output all belong to earlier kernels of the step
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Last query tiles first: under causal masking they have the most keys, so the long programs start early and
     # the short ones fill the tail of the launch.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -123,7 +127,7 @@ def unified_tile_config(head_dim: int, group: int, max_query_len: int) -> TileCo
 def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, output: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float, sliding_window: int, softcap: float, max_query_len: int,
-                      config: TileConfig | None = None) -> None:
+                      config: TileConfig | None = None, use_pdl: bool = False) -> None:
     """Paged attention for packed query `[T, H, D]` into `output` `[T, H, D]` (every row written).
 
     `seq_lens.shape[0]` sequences (padded ones have length 0) own rows `query_start_loc[i]:query_start_loc[i+1]`;
@@ -155,5 +159,5 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl),
     )

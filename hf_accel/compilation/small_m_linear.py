@@ -1,0 +1,63 @@
+"""Compile pass: route the forward's linears through `hf_accel::linear` (cuBLAS or the small-M GEMM, per step).
+
+Runs on Dynamo's graph after `merge_packed_linears`, so a packed q/k/v or gate/up product is one linear here. Only
+plain floating-point (bf16 / fp16) 2-D weights on CUDA whose input has the weight's dtype are routed; anything
+else (quantized weights, tensor subclasses, fp32, CPU) keeps its `F.linear`. The op itself falls back to
+`F.linear` for every row count and shape that tuning did not give to our kernel, so the pass alone changes nothing
+until `ops.linear.tune_linears` has run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from hf_accel.compilation.linear_packing import LINEAR_TARGETS
+
+ROUTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _plain(t: Any) -> bool:
+    """A dense tensor (or Dynamo's fake of one), not a quantized or other tensor subclass."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    cls = type(t)
+    return cls in (torch.Tensor, torch.nn.Parameter) or cls.__name__ == "FakeTensor"
+
+
+def route_small_m_linears(gm: torch.fx.GraphModule, use_pdl: bool,
+                          allow_cpu: bool = False) -> list[tuple[int, int, bool]]:
+    """Replace eligible linear calls by `hf_accel::linear`; returns the (n, k, has_bias) weight shapes routed."""
+    import hf_accel.ops.linear  # noqa: F401  (registers torch.ops.hf_accel.linear)
+
+    shapes: list[tuple[int, int, bool]] = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in LINEAR_TARGETS or node.kwargs:
+            continue
+        args = list(node.args) + [None] * (3 - len(node.args))
+        x, w, b = args[:3]
+        xv = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+        wv = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
+        bv = b.meta.get("example_value") if isinstance(b, torch.fx.Node) else None
+        if not (_plain(xv) and _plain(wv)) or (b is not None and not _plain(bv)):
+            continue
+        if wv.dim() != 2 or wv.dtype not in ROUTED_DTYPES or xv.dtype != wv.dtype:
+            continue
+        if bv is not None and (bv.dtype != wv.dtype or bv.dim() != 1):
+            continue
+        if not (wv.device.type == "cuda" or (allow_cpu and wv.device.type == "cpu")):
+            continue
+        if isinstance(wv.shape[0], torch.SymInt) or isinstance(wv.shape[1], torch.SymInt):
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.hf_accel.linear.default, (x, w, b, bool(use_pdl)))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        shapes.append((int(wv.shape[0]), int(wv.shape[1]), b is not None))
+    if shapes:
+        gm.graph.lint()
+        gm.recompile()
+    return shapes

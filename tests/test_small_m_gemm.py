@@ -1,0 +1,206 @@
+"""The small-M GEMM (hf_accel.ops.skinny_gemm), its op (hf_accel::linear), the routing pass, and PDL.
+
+On CPU the kernel runs in the Triton interpreter (fp32 / fp16); on a GPU the same tests run compiled, and the
+`gpu`-marked ones add bf16 at real decode shapes, PDL inside CUDA graphs (a chain of dependent GEMMs must give the
+same bits with and without PDL) and the warm-up tuner.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_mode import DEVICE, ON_GPU, load_kernel_modules
+
+triton = pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from hf_accel.compilation.small_m_linear import route_small_m_linears  # noqa: E402
+from hf_accel.ops import linear as linear_op  # noqa: E402
+from hf_accel.ops import pdl  # noqa: E402
+
+(G,) = load_kernel_modules(["hf_accel.ops.skinny_gemm"], "_skinny_gemm_kernel")
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (compiled Triton kernels)")
+
+
+def _tol(dtype: torch.dtype, ref: torch.Tensor) -> float:
+    scale = ref.abs().max().item() + 1e-6
+    return {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("m", "n", "k", "block_m", "block_n", "block_k", "split", "bias"), [
+    (1, 40, 96, 16, 16, 32, 1, False),     # N not a multiple of the tile, K a multiple
+    (3, 70, 200, 16, 32, 64, 2, True),     # uneven K split, bias after the split reduce
+    (16, 33, 64, 16, 16, 32, 4, True),     # more splits than K tiles per split would like
+    (20, 64, 128, 32, 32, 32, 1, False),
+    (64, 50, 300, 64, 16, 64, 3, True),    # a split count that does not divide K
+    (5, 48, 64, 16, 16, 32, 8, False),     # splits beyond K's tiles: the empty ones are dropped
+])
+def test_kernel_matches_linear(dtype, m, n, k, block_m, block_n, block_k, split, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    y = G.skinny_linear(x, w, b, G.SkinnyConfig(block_m, block_n, block_k, split, 4, 2))
+    ref = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert (y.float() - ref).abs().max().item() <= _tol(dtype, ref)
+
+
+def test_kernel_keeps_leading_dims_and_strided_rows():
+    x = torch.randn(1, 3, 2 * 64, device=DEVICE)[..., :64]  # rows with a stride of 128
+    w = torch.randn(24, 64, device=DEVICE)
+    y = G.skinny_linear(x, w, None, G.SkinnyConfig(16, 16, 32, 2, 4, 2))
+    assert y.shape == (1, 3, 24)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=2e-3, atol=2e-3)
+
+
+def test_too_many_rows_is_refused():
+    with pytest.raises(AssertionError, match="rows"):
+        G.skinny_linear(torch.randn(17, 32, device=DEVICE), torch.randn(8, 32, device=DEVICE), None,
+                        G.SkinnyConfig(16, 16, 32, 1))
+
+
+def test_default_config_fills_the_gpu():
+    # a narrow weight gets split-K so that there are about two programs per SM; a wide one does not
+    narrow = G.default_config(1, 1024, 2048, 132)
+    wide = G.default_config(1, 151936, 1024, 132)
+    assert narrow.split_k > 1 and (1024 // narrow.block_n) * narrow.split_k >= 132 // 2
+    assert wide.split_k == 1
+    assert G.default_config(64, 4096, 4096, 132).block_m == 64
+
+
+def test_op_is_f_linear_when_untuned_or_on_cpu():
+    linear_op.clear_decisions()
+    x, w, b = torch.randn(2, 3, 8), torch.randn(5, 8), torch.randn(5)
+    torch.testing.assert_close(torch.ops.hf_accel.linear(x, w, b, False), F.linear(x, w, b), rtol=0, atol=0)
+    torch.testing.assert_close(torch.ops.hf_accel.linear(x, w, None, True), F.linear(x, w), rtol=0, atol=0)
+
+
+def test_routing_pass_on_a_traced_model():
+    """Every plain linear of a Dynamo-traced tiny Llama becomes hf_accel::linear; outputs stay equal."""
+    from conftest import make_llama
+
+    model = make_llama().to(torch.float16).eval()  # routed dtypes are bf16 / fp16
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    routed: list = []
+
+    def backend(gm, example_inputs):
+        routed.extend(route_small_m_linears(gm, use_pdl=False, allow_cpu=True))
+        names = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        assert not any("linear" in nm and "hf_accel" not in nm for nm in names), names
+        return gm.forward
+
+    with torch.no_grad():
+        ref = model(ids).logits
+        torch._dynamo.reset()
+        out = torch.compile(model, backend=backend, fullgraph=False)(ids).logits
+    torch._dynamo.reset()
+    cfg = model.config
+    layers = cfg.num_hidden_layers
+    assert len(routed) == 7 * layers + 1  # q, k, v, o, gate, up, down per layer + lm_head
+    assert (cfg.vocab_size, cfg.hidden_size, False) in routed
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_routing_pass_leaves_fp32_and_cpu_alone():
+    from conftest import make_llama
+
+    model = make_llama().eval()  # float32
+    routed: list = []
+
+    def backend(gm, example_inputs):
+        routed.extend(route_small_m_linears(gm, use_pdl=False, allow_cpu=True))
+        routed.extend(route_small_m_linears(gm, use_pdl=False))  # CPU without allow_cpu: nothing either
+        return gm.forward
+
+    with torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(model, backend=backend)(torch.randint(0, 100, (1, 5)))
+    torch._dynamo.reset()
+    assert routed == []
+
+
+def test_pdl_switch_is_off_without_a_gpu():
+    if not ON_GPU:
+        assert not pdl.supported("cpu")
+        assert pdl.launch_kwargs(False) == {}
+    assert pdl.launch_kwargs(True) == {"launch_pdl": True}
+
+
+# ------------------------------------------------------------------------------------------------------------- GPU
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_bf16_decode_shapes(use_pdl):
+    if use_pdl and not pdl.supported(DEVICE):
+        pytest.skip("PDL needs sm90+ and a triton that exposes it")
+    for n, k in ((4096, 1024), (1024, 2048), (1024, 3072), (3072, 2048)):
+        for m in (1, 7, 16, 64):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.05
+            ref = F.linear(x.float(), w.float())
+            for cfg in linear_op._candidates(1 if m == 1 else (16 if m <= 16 else 64)):
+                y = G.skinny_linear(x, w, None, cfg, use_pdl)
+                assert (y.float() - ref).abs().max().item() <= _tol(torch.bfloat16, ref), (n, k, m, cfg)
+
+
+@gpu
+@pytest.mark.gpu
+def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency():
+    """Forty dependent GEMMs (each reads the previous output, split-K ones included) replayed from a graph: the
+    same bits with PDL as without, and as run eagerly."""
+    if not pdl.supported(DEVICE):
+        pytest.skip("PDL needs sm90+ and a triton that exposes it")
+    torch.manual_seed(0)
+    h = 1024
+    ws = [torch.randn(h, h, device=DEVICE, dtype=torch.bfloat16) / 32 for _ in range(40)]
+    cfgs = [G.SkinnyConfig(16, 32, 256, 1 + 3 * (i % 2), 4, 4) for i in range(40)]
+    x0 = torch.randn(4, h, device=DEVICE, dtype=torch.bfloat16)
+
+    def chain(use_pdl: bool) -> torch.Tensor:
+        y = x0
+        for w, c in zip(ws, cfgs, strict=True):
+            y = torch.tanh(G.skinny_linear(y, w, None, c, use_pdl))  # a non-PDL kernel between, too
+            y = G.skinny_linear(y, w, None, c, use_pdl)
+        return y
+
+    eager = chain(False)
+    outs = {}
+    for use_pdl in (False, True):
+        g = torch.cuda.CUDAGraph()
+        chain(use_pdl)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            out = chain(use_pdl)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        outs[use_pdl] = out.clone()
+    assert torch.equal(outs[False], eager) and torch.equal(outs[True], eager)
+
+
+@gpu
+@pytest.mark.gpu
+def test_tuner_decides_and_the_op_follows(tmp_path):
+    linear_op.clear_decisions()
+    shapes = [(1024, 2048, False), (4096, 1024, True)]
+    report = linear_op.tune_linears(shapes, torch.bfloat16, DEVICE, use_pdl=pdl.supported(DEVICE),
+                                    cache_dir=tmp_path, scratch_bytes=32 << 20)
+    assert report["tuned"] == len(shapes) * len(linear_op.M_BUCKETS)
+    assert (tmp_path / linear_op.TUNE_FILE).is_file()
+    for n, k, has_bias in shapes:
+        for m in (1, 5, 16, 40, 64, 65):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.05
+            b = torch.randn(n, device=DEVICE, dtype=torch.bfloat16) if has_bias else None
+            ref = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+            y = torch.ops.hf_accel.linear(x, w, b, False)
+            assert (y.float() - ref).abs().max().item() <= _tol(torch.bfloat16, ref)
+    # a second process would read the file: drop the memory and re-tune from it
+    linear_op.clear_decisions()
+    again = linear_op.tune_linears(shapes, torch.bfloat16, DEVICE, use_pdl=pdl.supported(DEVICE),
+                                   cache_dir=tmp_path)
+    assert again["tuned"] == 0 and again["from_cache"] == len(shapes) * len(linear_op.M_BUCKETS)
+    linear_op.clear_decisions()
