@@ -92,10 +92,11 @@ def accel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[name] = getattr(args, name)
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
-    if args.pdl is not None:
-        kw["pdl"] = args.pdl
-    if args.small_m_gemm is not None:
-        kw["small_m_gemm"] = args.small_m_gemm
+    switches = {name: getattr(args, name) for name in ("pdl", "small_m_gemm") if getattr(args, name) is not None}
+    if switches:  # AccelConfig fields without a keyword of their own in accelerate_model
+        from hf_accel.config import AccelConfig
+
+        kw["config"] = AccelConfig(**switches)
     return kw
 
 

@@ -117,13 +117,21 @@ def _candidates(bucket: int) -> list:
     return [SkinnyConfig(block_m, bn, bk, split, 4, 4) for bn, bk in tiles for split in (1, 2, 4, 8)]
 
 
-def _time_graph(fn, reps: int = 16, samples: int = 5) -> float:
-    """Median seconds per call of `fn`, `reps` calls captured in one CUDA graph (launch overhead excluded)."""
+def _time_graph(fn, pool, reps: int = 16, samples: int = 5) -> float:
+    """Median seconds per call of `fn`, `reps` calls captured in one CUDA graph (launch overhead excluded).
+
+    Every tuning graph draws from the one `pool`, and each call's output is dropped at once, so the pool holds
+    about one output at a time (large lm_head outputs x many candidates would otherwise add up to gigabytes).
+    """
     from hf_accel.compilation.cuda_graph import capture_graph
+
+    def body() -> None:
+        for _ in range(reps):
+            fn()
 
     fn()
     torch.cuda.synchronize()
-    graph, _ = capture_graph(lambda: [fn() for _ in range(reps)], None)
+    graph, _ = capture_graph(body, pool)
     graph.replay()
     times = []
     for _ in range(samples):
@@ -138,7 +146,7 @@ def _time_graph(fn, reps: int = 16, samples: int = 5) -> float:
 
 
 def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, device: torch.device,
-              use_pdl: bool, scratch_bytes: int):
+              use_pdl: bool, scratch_bytes: int, pool):
     """Time cuBLAS and the candidates for one weight shape at M = bucket; the winner's config, or None (cuBLAS)."""
     from hf_accel.ops.skinny_gemm import skinny_linear
 
@@ -147,7 +155,8 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
     bias = torch.randn(n, device=device, dtype=dtype) if has_bias else None
     x = torch.randn(bucket, k, device=device, dtype=dtype)
-    ref = F.linear(x.float(), weights[0].float(), bias.float() if bias is not None else None)
+    rows = min(n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
+    ref = F.linear(x.float(), weights[0][:rows].float(), bias[:rows].float() if bias is not None else None)
     tol = 0.05 * ref.abs().max().item() + 1e-3
 
     def cycling(call):
@@ -159,17 +168,18 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
             return call(w)
         return fn
 
-    best_cfg, best_t = None, _time_graph(cycling(lambda w: F.linear(x, w, bias)))
+    best_cfg, best_t = None, _time_graph(cycling(lambda w: F.linear(x, w, bias)), pool)
     cublas_t = best_t
     for cfg in _candidates(bucket):
         if cfg.split_k > 1 and k // (cfg.split_k * cfg.block_k) < 1:
             continue
         try:
-            err = (skinny_linear(x, weights[0], bias, cfg, use_pdl).float() - ref).abs().max().item()
+            out = skinny_linear(x, weights[0], bias, cfg, use_pdl)[:, :rows].float()
+            err = (out - ref).abs().max().item()
             if not err <= tol:  # a broken config must never win (NaN included)
                 logger.warning("hf_accel: small-M GEMM config %s gave error %.3g on %dx%d; skipped", cfg, err, n, k)
                 continue
-            t = _time_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl)))
+            t = _time_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl)), pool)
         except Exception as exc:  # a config that does not compile on this GPU / triton
             logger.debug("small-M GEMM config %s failed: %s", cfg, exc)
             continue
@@ -200,6 +210,7 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
 
     tuned = 0
     report: dict = {"tuned": 0, "from_cache": 0, "ours": 0, "cublas": 0}
+    pool = None
     with _lock:
         for n, k, has_bias in shapes:
             for bucket in M_BUCKETS:
@@ -212,7 +223,10 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
                     cfg = SkinnyConfig(**entry) if isinstance(entry, dict) else None
                     report["from_cache"] += 1
                 else:
-                    cfg, cublas_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes)
+                    if pool is None:
+                        pool = torch.cuda.graph_pool_handle()
+                    cfg, cublas_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes,
+                                                      pool)
                     stored[skey] = asdict(cfg) if cfg is not None else None
                     tuned += 1
                     logger.debug("small-M GEMM %dx%d m<=%d: cuBLAS %.2f us, best %.2f us -> %s", n, k, bucket,
@@ -229,5 +243,7 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
         except OSError as exc:  # a read-only cache is not an error
             logger.debug("could not store small-M GEMM decisions: %s", exc)
     torch.cuda.synchronize(device)
+    if tuned:  # the scratch weights and the tuning graphs' pool go back before anything else is sized
+        torch.cuda.empty_cache()
     report["seconds"] = time.perf_counter() - t0
     return report
