@@ -117,11 +117,11 @@ def _candidates(bucket: int) -> list:
     return [SkinnyConfig(block_m, bn, bk, split, 4, 4) for bn, bk in tiles for split in (1, 2, 4, 8)]
 
 
-def _time_graph(fn, pool, reps: int = 16, samples: int = 5) -> float:
+def _time_graph(fn, reps: int = 16, samples: int = 5) -> float:
     """Median seconds per call of `fn`, `reps` calls captured in one CUDA graph (launch overhead excluded).
 
-    Every tuning graph draws from the one `pool`, and each call's output is dropped at once, so the pool holds
-    about one output at a time (large lm_head outputs x many candidates would otherwise add up to gigabytes).
+    Each call's output is dropped at once, so a graph's private pool holds about one output (keeping them all, for
+    a large lm_head and many candidates, added up to gigabytes); the pool goes with the graph.
     """
     from hf_accel.compilation.cuda_graph import capture_graph
 
@@ -131,7 +131,7 @@ def _time_graph(fn, pool, reps: int = 16, samples: int = 5) -> float:
 
     fn()
     torch.cuda.synchronize()
-    graph, _ = capture_graph(body, pool)
+    graph, _ = capture_graph(body, None)
     graph.replay()
     times = []
     for _ in range(samples):
@@ -146,7 +146,7 @@ def _time_graph(fn, pool, reps: int = 16, samples: int = 5) -> float:
 
 
 def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, device: torch.device,
-              use_pdl: bool, scratch_bytes: int, pool):
+              use_pdl: bool, scratch_bytes: int):
     """Time cuBLAS and the candidates for one weight shape at M = bucket; the winner's config, or None (cuBLAS)."""
     from hf_accel.ops.skinny_gemm import skinny_linear
 
@@ -168,7 +168,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
             return call(w)
         return fn
 
-    best_cfg, best_t = None, _time_graph(cycling(lambda w: F.linear(x, w, bias)), pool)
+    best_cfg, best_t = None, _time_graph(cycling(lambda w: F.linear(x, w, bias)))
     cublas_t = best_t
     for cfg in _candidates(bucket):
         if cfg.split_k > 1 and k // (cfg.split_k * cfg.block_k) < 1:
@@ -179,7 +179,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
             if not err <= tol:  # a broken config must never win (NaN included)
                 logger.warning("hf_accel: small-M GEMM config %s gave error %.3g on %dx%d; skipped", cfg, err, n, k)
                 continue
-            t = _time_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl)), pool)
+            t = _time_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl)))
         except Exception as exc:  # a config that does not compile on this GPU / triton
             logger.debug("small-M GEMM config %s failed: %s", cfg, exc)
             continue
@@ -210,7 +210,6 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
 
     tuned = 0
     report: dict = {"tuned": 0, "from_cache": 0, "ours": 0, "cublas": 0}
-    pool = None
     with _lock:
         for n, k, has_bias in shapes:
             for bucket in M_BUCKETS:
@@ -223,10 +222,7 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
                     cfg = SkinnyConfig(**entry) if isinstance(entry, dict) else None
                     report["from_cache"] += 1
                 else:
-                    if pool is None:
-                        pool = torch.cuda.graph_pool_handle()
-                    cfg, cublas_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes,
-                                                      pool)
+                    cfg, cublas_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes)
                     stored[skey] = asdict(cfg) if cfg is not None else None
                     tuned += 1
                     logger.debug("small-M GEMM %dx%d m<=%d: cuBLAS %.2f us, best %.2f us -> %s", n, k, bucket,
