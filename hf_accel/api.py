@@ -43,6 +43,7 @@ from hf_accel.engine.model_state import is_tuner_layer
 from hf_accel.generation import EngineGenerator, PreparedCall, eos_ids, stock_reason
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.patches import family_patch
+from hf_accel.progress import StartupProgress
 from hf_accel.streams import AsyncWaker, GenerationStream, StockGenerationStream, run_async
 
 logger = logging.getLogger("hf_accel")
@@ -207,11 +208,16 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     backend_cls, autotune_info = None, None
     if not probed:  # resolved now: a backend that cannot run (or "auto" with none) raises before anything is undone
         backend_cls = select_backend(cfg.attention_backend, spec, device)
+        if cfg.attention_backend == "auto":  # static order, but never a library that would JIT-build first
+            backend_cls = _static_auto_choice(backend_cls, cfg, spec, device)
     select_s = time.perf_counter() - t_select
     if hasattr(model, _STATE):
         restore(model)  # before autotuning: the old engine's KV cache would leave it no memory
+    on_gpu_graphs = device.type == "cuda" and (cfg.compile or CUDAGraphMode(cfg.cudagraph_mode).value != "none")
+    progress = StartupProgress(total_phases=6, enabled=on_gpu_graphs)  # a bar only where starts take long
     if backend_cls is None:
         t_select = time.perf_counter()
+        progress.phase("choose the attention backend", "autotune, or the answer remembered for this GPU and shape")
         backend_cls, autotune_info = _choose_backend(model, cfg, spec, device, probed)
         select_s += time.perf_counter() - t_select - (autotune_info or {}).get("seconds", 0.0)
 
@@ -229,6 +235,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
         # storage (no copy kept); the storages they leave go back to the GPU before the KV cache is sized
         t_pack = time.perf_counter()
         if cfg.compile or fuse:
+            progress.phase("pack q/k/v and gate/up weights")
             packed = pack_sibling_linears(model)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -236,14 +243,17 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
             fused = install_fused_ops(model)
         pack_s = time.perf_counter() - t_pack
         patch_s = time.perf_counter() - t0
-        engine = LLMEngine(model, cfg, backend_cls, spec)
+        engine = LLMEngine(model, cfg, backend_cls, spec, progress=progress)
+        progress.close()
     except BaseException:
+        progress.close()
         model.set_attn_implementation(original)
         if fused is not None:
             uninstall_fused_ops(fused)
         if packed is not None:
             unpack_sibling_linears(packed)
         raise
+    _mark_built(backend_cls, spec, device, cfg)  # it ran its warm-up here: whatever it builds is built now
     state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
                        original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed,
                        fused_ops=fused, loop=EngineLoop(engine))
@@ -252,7 +262,8 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     state.startup = {"patch_s": patch_s - autotune_s, "select_s": select_s, "pack_s": pack_s, "autotune_s": autotune_s,
                      "kv_cache_s": engine.stats.timings.get("kv_cache_s", 0.0),
                      "compile_s": ci.get("compile_s", 0.0), "capture_s": ci.get("capture_s", 0.0)}
-    state.startup.update({k: ci[k] for k in ("trace_s", "split_compile_s") if k in ci})
+    state.startup.update({k: ci[k] for k in ("trace_s", "split_compile_s", "small_m_gemm_s") if k in ci})
+    state.startup["phases"] = dict(progress.times)
     state.extra_info.update(graph_pool_bytes=ci.get("graph_pool_bytes", 0), compile_cache=ci.get("compile_cache"),
                             effective_cudagraph_mode=ci.get("cudagraph_mode", "none"), backend_autotune=autotune_info)
     setattr(model, _STATE, state)
@@ -297,9 +308,13 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec, device: torch.
     shape = {"num_decode_seqs": min(32, cfg.max_num_seqs), "num_layers": text.num_hidden_layers,
              "block_size_hint": cfg.block_size, "decode_in_graph": decode_in_graph}
     probed = probable_auto_names(spec, device) if probed is None else probed
-    cache_file = autotune_cache_file(cfg.compile_cache_dir, spec, device, probed, **shape)
+    # candidates whose library would JIT-build first (FlashInfer on a fresh machine) are not timed now: they build in
+    # the background, and the remembered answer is keyed by what was pending, so a start after the build re-times
+    pending = _pending_builds(probed, spec, device, cfg)
+    cache_file = autotune_cache_file(cfg.compile_cache_dir, spec, device, probed, pending=sorted(pending), **shape)
     remembered = _remembered_backend(cache_file, spec, device, cfg.block_size)
     if remembered is not None:
+        _start_builds(pending, spec, device, cfg)
         return remembered
     static = select_backend("auto", spec, device)
     candidates = auto_candidates(spec, device)
@@ -308,26 +323,82 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec, device: torch.
     unusable = [name for name in probed if name not in {c.name for c in candidates}]
     if cfg.block_size is not None:  # a block size the user fixed must suit the winner
         candidates = [c for c in candidates if cfg.block_size in c.supported_block_sizes] or candidates
-    if len(candidates) < 2:
-        return candidates[0], None
+    ready = [c for c in candidates if c.name not in pending] or candidates  # all pending: one of them must build
+    skipped = {c.name: pending[c.name] for c in candidates if c not in ready}
+    if skipped:
+        logger.info("hf_accel: attention autotune skips %s: %s", ", ".join(skipped), "; ".join(skipped.values()))
+        _start_builds(skipped, spec, device, cfg)
+    if len(ready) < 2:
+        if not skipped:
+            return ready[0], None
+        return ready[0], {"chosen": ready[0].name, "static_choice": static.name, "seconds": 0.0, "cached": False,
+                          "candidates": [c.name for c in ready], "timings": {}, "pending_builds": skipped}
     t0 = time.perf_counter()
     try:
-        best, timings = autotune_backends(candidates, spec, device, cfg.block_size,
+        best, timings = autotune_backends(ready, spec, device, cfg.block_size,
                                           num_decode_seqs=shape["num_decode_seqs"], num_layers=shape["num_layers"],
                                           decode_in_graph=decode_in_graph)
     except Exception as exc:
+        fallback = static if static in ready else ready[0]
         logger.warning("hf_accel: attention autotune failed (%s: %s); using the static choice %s",
-                       type(exc).__name__, exc, static.name)
-        return static, {"chosen": static.name, "static_choice": static.name, "error": str(exc),
-                        "seconds": time.perf_counter() - t0}
+                       type(exc).__name__, exc, fallback.name)
+        return fallback, {"chosen": fallback.name, "static_choice": static.name, "error": str(exc),
+                          "seconds": time.perf_counter() - t0, "pending_builds": skipped}
     seconds = time.perf_counter() - t0
-    store_choice(cache_file, best, timings, static_choice=static.name, candidates=[c.name for c in candidates],
+    for cls in ready:  # a library that ran its first calls in the timing has built what it needs
+        if "score" in timings.get(cls.name, {}):
+            _mark_built(cls, spec, device, cfg)
+    store_choice(cache_file, best, timings, static_choice=static.name, candidates=[c.name for c in ready],
                  unusable=unusable)
     summary = ", ".join(f"{name} " + (f"{t['score']:.3f}" if "score" in t else "failed") for name, t in timings.items())
     logger.info("hf_accel: attention autotune chose %s in %.1f s (score = %s x decode ms + prefill ms: %s)",
                 best.name, seconds, DECODE_WEIGHT, summary)
     return best, {"chosen": best.name, "static_choice": static.name, "seconds": seconds, "cached": False,
-                  "candidates": [c.name for c in candidates], "timings": timings}
+                  "candidates": [c.name for c in ready], "timings": timings, "pending_builds": skipped}
+
+
+def _pending_builds(names: list[str], spec: AttentionSpec, device: torch.device, cfg: AccelConfig) -> dict[str, str]:
+    """name -> why its first use here would JIT-build, for the named backends (imports no optional library)."""
+    pending = {}
+    for name in names:
+        cls, _ = load_backend_class(name)
+        reason = cls.pending_build(spec, device, cfg.compile_cache_dir or None) if cls is not None else None
+        if reason:
+            pending[name] = reason
+    return pending
+
+
+def _start_builds(pending: dict[str, str], spec: AttentionSpec, device: torch.device, cfg: AccelConfig) -> None:
+    """Build the pending backends' kernels in a background process each (AccelConfig.background_builds)."""
+    if not cfg.background_builds:
+        return
+    from hf_accel.attention import prebuild
+
+    for name in pending:
+        cls, _ = load_backend_class(name)
+        marker = cls.build_marker(spec, device, cfg.compile_cache_dir or None) if cls is not None else None
+        if marker is not None:
+            prebuild.start_background_build(name, spec, device, marker, cfg.block_size)
+
+
+def _mark_built(cls, spec: AttentionSpec, device: torch.device, cfg: AccelConfig) -> None:
+    marker = cls.build_marker(spec, device, cfg.compile_cache_dir or None) if device.type == "cuda" else None
+    if marker is not None:
+        from hf_accel.attention import prebuild
+
+        prebuild.mark_built(marker, cls.library_cache_dir() or "")
+
+
+def _static_auto_choice(first, cfg: AccelConfig, spec: AttentionSpec, device: torch.device):
+    """"auto" without autotuning: the static order's first backend whose library need not JIT-build first."""
+    if not first.pending_build(spec, device, cfg.compile_cache_dir or None):
+        return first
+    candidates = auto_candidates(spec, device)
+    ready = [c for c in candidates if not c.pending_build(spec, device, cfg.compile_cache_dir or None)]
+    if not ready:
+        return first
+    _start_builds({first.name: ""}, spec, device, cfg)
+    return ready[0]
 
 
 def _remembered_backend(cache_file, spec: AttentionSpec, device: torch.device,

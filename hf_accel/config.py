@@ -67,6 +67,10 @@ class AccelConfig:
     # GEMM for decode linears, used per weight shape and row count only where it beat cuBLAS at warm-up
     pdl: bool | None = None
     small_m_gemm: bool = True
+    # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
+    # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
+    # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0
+    background_builds: bool = True
     extra: dict = field(default_factory=dict)
 
     def updated(self, **overrides) -> AccelConfig:

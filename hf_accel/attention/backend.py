@@ -112,6 +112,50 @@ class AttentionBackend:
             "cudagraph_support": cls.cudagraph_support.name,
         }
 
+    # -- first-use builds (attention/prebuild.py): a library that JIT-compiles its kernels per shape on first use
+    builds_on_first_use: ClassVar[bool] = False
+
+    @classmethod
+    def library_version(cls) -> str | None:
+        """Version of the library whose kernels are built on first use (part of the build marker's key)."""
+        return None
+
+    @classmethod
+    def library_cache_dir(cls) -> str | None:
+        """Where that library keeps what it built (a marker counts only while this directory exists)."""
+        return None
+
+    @classmethod
+    def has_prebuilt_kernels(cls) -> bool:
+        """The library's ahead-of-time kernels are installed (nothing to build on first use)."""
+        return False
+
+    @classmethod
+    def build_marker(cls, spec: AttentionSpec, device: torch.device, cache_dir: str | None = None):
+        """The marker file saying this backend's kernels are built here for `spec` (None: no first-use build)."""
+        cache = cls.library_cache_dir()
+        if not cls.builds_on_first_use or cache is None:
+            return None
+        from hf_accel.attention import prebuild
+
+        return prebuild.marker_path(cls.name, spec, device, cls.library_version(), cache, cache_dir)
+
+    @classmethod
+    def pending_build(cls, spec: AttentionSpec, device: torch.device, cache_dir: str | None = None) -> str | None:
+        """Why this backend's first use here would stall on a long JIT build; None when its kernels are ready
+        (built before, per the marker; prebuilt), or when it builds nothing worth avoiding. Imports no library."""
+        if not cls.builds_on_first_use or cls.has_prebuilt_kernels():
+            return None
+        marker = cls.build_marker(spec, device, cache_dir)
+        if marker is None:
+            return None
+        from hf_accel.attention import prebuild
+
+        if prebuild.is_built(marker):
+            return None
+        return (f"{cls.name} would JIT-compile its kernels for this attention shape on first use here "
+                f"(about 75-90 s per head dim on an H200)")
+
     @classmethod
     def probe_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
         """`unavailable_reasons` without importing an optional library (a backend whose check imports one overrides

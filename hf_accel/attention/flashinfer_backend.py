@@ -28,6 +28,7 @@ step re-plans the one it uses, so they can share it.
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,24 @@ class FlashInferBackend(AttentionBackend):
         if err:
             reasons.append(err)
         return reasons
+
+    builds_on_first_use = True  # its kernels are JIT-compiled per head dim / dtype / variant on each machine
+
+    @classmethod
+    def library_version(cls) -> str | None:
+        from hf_accel.compilation.cache import _package_version
+
+        return _package_version("flashinfer-python")
+
+    @classmethod
+    def library_cache_dir(cls) -> str | None:
+        # flashinfer.jit.env: FLASHINFER_WORKSPACE_BASE (default: the home directory) / .cache / flashinfer
+        base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or os.path.expanduser("~")
+        return os.path.join(base, ".cache", "flashinfer")
+
+    @classmethod
+    def has_prebuilt_kernels(cls) -> bool:
+        return module_present("flashinfer_jit_cache")  # the ahead-of-time kernel package
 
     @classmethod
     def probe_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:

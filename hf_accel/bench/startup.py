@@ -75,8 +75,9 @@ def run_startup(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                 progress: Progress) -> dict[str, Any]:
     """Cold (empty compile caches) then warm (same caches) startup, each on a fresh model object.
 
-    With isolation "process" each phase is a fresh Python process whose Inductor and Triton caches also live
-    in the temporary directory, so cold is truly cold and warm is what a second launch of a program sees.
+    With isolation "process" each phase is a fresh Python process whose Inductor, Triton and FlashInfer caches
+    also live in the temporary directory, so cold is truly cold and warm is what a second launch of a program sees
+    (background kernel builds are off in both, so the warm start is not raced by one).
     """
     result: dict[str, Any] = {"isolation": args.startup_isolation}
     with tempfile.TemporaryDirectory(prefix="hf_accel_bench_cache_") as tmp:
@@ -102,6 +103,10 @@ def _startup_subprocess(args: argparse.Namespace, tmp: str, cache_dir: str, phas
     env = dict(os.environ)
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
     env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
+    # FlashInfer's JIT cache too: a fresh start must not find kernels an earlier run built on this machine
+    env["FLASHINFER_WORKSPACE_BASE"] = os.path.join(tmp, "flashinfer")
+    # no detached kernel builds racing the warm start (or outliving the temporary directory)
+    env["HF_ACCEL_BACKGROUND_BUILDS"] = "0"
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "hf_accel.bench", *_accel_argv(args), "--startup-child", phase,

@@ -77,7 +77,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, cfg: AccelConfig, backend_cls: type[AttentionBackend],
-                 spec: AttentionSpec) -> None:
+                 spec: AttentionSpec, progress=None) -> None:
+        """`progress`: a `hf_accel.progress.StartupProgress` told when each startup phase begins (optional)."""
         self.model = model
         self.cfg = cfg
         self.device = next(model.parameters()).device
@@ -94,6 +95,8 @@ class LLMEngine:
         self.max_num_tokens = max(cfg.max_num_batched_tokens, max(cfg.cudagraph_capture_sizes or [1]))
         self.stats = EngineStats()
         t0 = time.perf_counter()
+        if progress is not None:
+            progress.phase("allocate the KV cache", backend_cls.name)
         self.backend = backend_cls(spec, self.device, self.block_size, cfg.max_num_seqs, self.max_num_tokens,
                                    self.max_blocks_per_seq)
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(spec.dtype)
@@ -119,7 +122,7 @@ class LLMEngine:
                 self.compile_info = self.runner.enable_compilation(
                     cfg.cudagraph_mode, list(cfg.cudagraph_capture_sizes or []), bool(cfg.compile),
                     cfg.compile_cache_dir, model.config, spec.dtype, pdl=self.use_pdl,
-                    small_m_gemm=cfg.small_m_gemm)
+                    small_m_gemm=cfg.small_m_gemm, progress=progress)
             except BaseException:
                 self.kv_caches.clear()  # give the cache's memory back even while the traceback lives on
                 if self.device.type == "cuda":

@@ -255,12 +255,17 @@ class ModelRunner:
     @torch.inference_mode()
     def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
                            model_config, dtype: torch.dtype, *, pdl: bool = False,
-                           small_m_gemm: bool = False) -> dict:
+                           small_m_gemm: bool = False, progress=None) -> dict:
         """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings.
 
         `pdl`: Inductor's kernels use programmatic dependent launch. `small_m_gemm`: linears go through
         `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket.
+        `progress`: a `hf_accel.progress.StartupProgress` told when each phase starts.
         """
+        def phase(name: str, detail: str = "") -> None:
+            if progress is not None:
+                progress.phase(name, detail)
+
         import time
 
         from hf_accel.compilation.cache import setup_compile_cache
@@ -282,6 +287,7 @@ class ModelRunner:
         before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
         if compile:
             t0 = time.perf_counter()
+            phase("compile", "Dynamo trace, split at attention, Inductor; reused from the compile cache when warm")
             cache = self.compile_cache = setup_compile_cache(
                 cache_dir, model_config, dtype, sizes, extra={"device": str(self.device), "backend": self.backend.name})
             info["compile_cache"] = {"dir": str(cache.path) if cache.path else None, "warm": cache.warm}
@@ -315,10 +321,12 @@ class ModelRunner:
                 from hf_accel.ops.linear import decisions_for, tune_linears
 
                 shapes = self.piecewise.stats.routed_linears
+                phase("tune small-M GEMMs", f"{len(set(shapes))} weight shapes; remembered in the compile cache")
                 report = tune_linears(shapes, dtype, self.device, use_pdl=pdl,
                                       cache_dir=cache.path if cache.path else None)
                 report["decisions"] = decisions_for(shapes, self.device, dtype)
                 info["small_m_gemm"] = report
+                info["small_m_gemm_s"] = report["seconds"]
         if compile:
             t0 = time.perf_counter()
 
@@ -329,11 +337,15 @@ class ModelRunner:
                     return self.piecewise(self.input_ids[:t][None], self.positions[:t][None], self.logits_indices[:1])
 
             if on_cuda:
+                phase("capture CUDA graphs", f"piecewise: {len(self.dispatcher.piecewise_sizes)} sizes, "
+                                             f"full: {len(self.dispatcher.full_capture_keys())} batch shapes")
                 self.piecewise.capture(self.dispatcher.piecewise_sizes, run_piece)
             info["capture_s"] += time.perf_counter() - t0
         keys = self.dispatcher.full_capture_keys() if on_cuda else []
         if keys:
             t0 = time.perf_counter()
+            if not (compile and on_cuda):
+                phase("capture CUDA graphs", f"full: {len(keys)} batch shapes")
             self.full_graphs = FullCUDAGraphRunner(pool)
             metas: dict = {}
 
