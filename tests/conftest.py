@@ -8,6 +8,7 @@ tokenizer over the same 200 ids. Models are built once per test module; a test t
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ from transformers.generation.logits_process import (
 
 from hf_accel import accelerate_model
 from hf_accel.engine.request import Request, SamplingParams
+
+# no detached kernel builds from a test run (tests/test_startup_builds.py checks the launcher with this unset)
+os.environ.setdefault("HF_ACCEL_BACKGROUND_BUILDS", "0")
 
 VOCAB_SIZE = 200
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the tiny tokenizer's specials; the model's generation_config has eos 2, bos 1

@@ -758,6 +758,8 @@ def _fake_choice(monkeypatch, outcome):
     # the import-free probe and the winner's own check, as on a GPU with flashinfer installed
     monkeypatch.setattr(api, "probable_auto_names", lambda spec, device: ["flashinfer", "triton"])
     monkeypatch.setattr(api, "backend_reasons", lambda name, spec, device: [])
+    # ... with flashinfer's kernels already built there (tests/test_startup_builds.py covers the unbuilt case)
+    monkeypatch.setattr(FlashInferBackend, "pending_build", classmethod(lambda cls, spec, device, cache_dir=None: None))
 
     def fake_autotune(candidates, spec, device, block_size_hint, **kw):
         calls.update(kw, candidates=[c.name for c in candidates])
@@ -837,6 +839,8 @@ def test_a_repaired_install_is_timed_again(tmp_path, monkeypatch):
         return TritonAttentionBackend, {c.name: {"score": 1.0} for c in candidates}
 
     monkeypatch.setattr(api, "autotune_backends", fake_autotune)
+    # its kernels count as built (the unbuilt case: tests/test_startup_builds.py)
+    monkeypatch.setattr(FlashInferBackend, "pending_build", classmethod(lambda cls, spec, device, cache_dir=None: None))
     cfg = AccelConfig(max_num_seqs=8, compile_cache_dir=str(tmp_path / "cache"))
     assert "flashinfer" in registry.probable_auto_names(SPEC, CUDA)
     _, info = api._choose_backend(_FakeModel(), cfg, SPEC, CUDA)

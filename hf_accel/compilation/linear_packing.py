@@ -14,8 +14,8 @@ vLLM merges them when it loads weights. We keep the user's modules untouched ins
    over the whole block (`as_strided` on the first weight: a view, no copy) followed by `narrow`s. Weights are
    graph inputs, so the pieces of every layer stay identical and are still compiled once.
 
-Anything that does not match exactly (a tied weight, different dtypes, an input computed separately for k and v,
-an in-place write between the linears) is left alone: the pass only rewrites what is provably the same product.
+Anything that does not match exactly (a tied weight, different dtypes, a quantized weight, an input computed
+separately for k and v, an in-place write between the linears) is left alone: the pass only rewrites what is provably the same product.
 
 The merged outputs are column slices of one result, so views taken of them downstream have other strides than the
 example values Dynamo recorded for the separate outputs. Pieces are compiled from the values that cross a cut, and
@@ -48,9 +48,18 @@ class PackRecord:
     bytes: int = 0
 
 
+def _dense(t: torch.Tensor | None) -> bool:
+    """A plain floating-point tensor: not a quantized tensor subclass (torchao, bitsandbytes), which has its own
+    storage format and may not support the concatenation packing needs."""
+    return t is None or (type(t) in (torch.nn.Parameter, torch.Tensor) and type(t.data) is torch.Tensor
+                         and t.dtype.is_floating_point and not t.is_quantized)
+
+
 def _packable(linears: list[torch.nn.Module], shared: set[int]) -> bool:
     first = linears[0]
     if not all(type(m) is torch.nn.Linear for m in linears):
+        return False
+    if not all(_dense(m.weight) and _dense(m.bias) for m in linears):
         return False
     w0 = first.weight
     for m in linears:
@@ -133,8 +142,8 @@ def merge_packed_linears(gm: torch.fx.GraphModule, example_inputs: list[Any]) ->
         x, w, b = args[:3]
         if not isinstance(x, torch.fx.Node) or w not in real or (b is not None and b not in real):
             continue
-        if real[w].dim() != 2:
-            continue
+        if real[w].dim() != 2 or not _dense(real[w]) or (b is not None and not _dense(real[b])):
+            continue  # quantized subclasses have no plain storage to span
         by_input[x].append(node)
     merged = 0
     for nodes in by_input.values():

@@ -1,0 +1,116 @@
+"""Quantized checkpoints (torchao, bitsandbytes) under accelerate_model on CPU: greedy equal to the same quantized
+model under stock generate(), with compile off (the CPU default) and on (Inductor, what the GPU default is).
+
+Quantized weights are tensor subclasses (torchao) or quantized linear modules (bitsandbytes): weight packing and
+the linear merge / routing passes must leave them alone (packing once crashed on torchao's Int8Tensor, the linear
+merge once failed the compile on its missing storage), and the prefix cache must not serve KV across calls wrongly.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+
+import pytest
+import torch
+from conftest import left_pad, make_llama
+
+from hf_accel import accelerate_model, engine_info, restore
+from hf_accel.api import engine_of
+from hf_accel.compilation.linear_packing import pack_sibling_linears
+
+torchao = pytest.importorskip("torchao")
+
+
+def _methods() -> dict:
+    from transformers import BitsAndBytesConfig, TorchAoConfig
+
+    out = {}
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
+
+        out["torchao-int8-weight-only"] = lambda: TorchAoConfig(Int8WeightOnlyConfig())
+        out["torchao-int8-dynamic"] = lambda: TorchAoConfig(Int8DynamicActivationInt8WeightConfig())
+    except ImportError:
+        pass
+    try:
+        import bitsandbytes  # noqa: F401
+
+        out["bnb-nf4"] = lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                    bnb_4bit_compute_dtype=torch.float32)
+        out["bnb-int8"] = lambda: BitsAndBytesConfig(load_in_8bit=True)
+    except ImportError:
+        pass
+    return out
+
+
+METHODS = _methods()
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    with tempfile.TemporaryDirectory() as d:
+        make_llama(seed=3).save_pretrained(d)
+        yield d
+
+
+def _load(path: str, method: str):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=METHODS[method](),
+                                                    dtype=torch.float32, device_map="cpu")
+
+
+PROMPTS = [[5, 9, 13, 77], [3, 4, 5, 6, 7, 8, 9], [11]]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_greedy_equals_stock_quantized(checkpoint, method, compile):
+    model = _load(checkpoint, method)
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = model.generate(ids, **kw)
+        accelerate_model(model, compile=compile)
+        try:
+            info = engine_info(model)
+            assert info["compile"] is compile
+            assert engine_of(model).compile_info.get("compile_error") is None  # compiled, not a silent fallback
+            out = model.generate(ids, **kw)
+            again = model.generate(ids, **kw)  # second call: the prefix cache serves the prompts' KV
+            assert torch.equal(out, ref), method
+            assert torch.equal(again, ref), method
+        finally:
+            restore(model)
+        assert torch.equal(model.generate(ids, **kw), ref)
+
+
+@pytest.mark.parametrize("method", sorted(m for m in METHODS if m.startswith("torchao")))
+def test_packing_leaves_quantized_weights_alone(checkpoint, method):
+    model = _load(checkpoint, method)
+    before = {n: p for n, p in model.named_parameters()}
+    record = pack_sibling_linears(model)
+    assert record.groups == 0 and record.params == []
+    assert all(p is before[n] for n, p in model.named_parameters())
+
+
+def test_generate_batch_on_a_quantized_model(checkpoint):
+    method = "torchao-int8-weight-only"
+    if method not in METHODS:
+        pytest.skip("torchao's int8 weight-only config is not available")
+    from transformers import GenerationConfig
+
+    model = _load(checkpoint, method)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           generation_config=gc)[0, len(p):].tolist() for p in PROMPTS]
+    accelerate_model(model)
+    try:
+        outs = model.generate_batch(PROMPTS, generation_config=gc)
+        assert [outs[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))] == refs
+    finally:
+        restore(model)
