@@ -15,7 +15,8 @@ vLLM merges them when it loads weights. We keep the user's modules untouched ins
    graph inputs, so the pieces of every layer stay identical and are still compiled once.
 
 Anything that does not match exactly (a tied weight, different dtypes, a quantized weight, an input computed
-separately for k and v, an in-place write between the linears) is left alone: the pass only rewrites what is provably the same product.
+separately for k and v, an in-place write between the linears) is left alone: the pass only rewrites what is
+provably the same product.
 
 The merged outputs are column slices of one result, so views taken of them downstream have other strides than the
 example values Dynamo recorded for the separate outputs. Pieces are compiled from the values that cross a cut, and
