@@ -40,6 +40,7 @@ from hf_accel.config import AccelConfig, CUDAGraphMode
 from hf_accel.engine.engine import LLMEngine, ModelShape
 from hf_accel.engine.loop import EngineCall, EngineLoop
 from hf_accel.engine.model_state import is_tuner_layer
+from hf_accel.engine.tensor_parallel import tensor_parallel_of
 from hf_accel.generation import EngineGenerator, PreparedCall, eos_ids, stock_reason
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.patches import family_patch
@@ -127,7 +128,7 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 
 
 def _attention_spec(model: torch.nn.Module) -> AttentionSpec:
-    shape = ModelShape.from_config(model.config)
+    shape = ModelShape.from_config(model.config, tensor_parallel_of(model))
     text = model.config.get_text_config()
     dtype = next(model.parameters()).dtype
     return AttentionSpec(
@@ -523,6 +524,8 @@ def engine_info(model) -> dict[str, Any]:
         "startup": dict(state.startup), "compile_cache": state.extra_info.get("compile_cache"),
         "backend_autotune": state.extra_info.get("backend_autotune"),
         "pdl": bool(getattr(eng, "use_pdl", False)),
+        "tensor_parallel": ({"size": eng.tp.size, "rank": eng.tp.rank} if getattr(eng, "tp", None) is not None
+                            else None),
         "small_m_gemm": eng.compile_info.get("small_m_gemm"),
         "fused_ops": ({"norms": state.fused_ops.norms, "mlps": state.fused_ops.mlps}
                       if state.fused_ops is not None and state.fused_ops.modules else None),
@@ -550,6 +553,11 @@ def _admit(model, counted_thread: bool) -> AccelState | None:
             if not state.closing:
                 break
             record.changed.wait()
+        if state.active_calls and state.engine.tp is not None:
+            raise RuntimeError(
+                "hf_accel: a tensor-parallel model takes one call at a time per rank, made in the same order on "
+                "every rank (the collectives of each step pair up by order); this call came while another was "
+                "running on this rank")
         if state.active_calls == 0:
             state.loop.wait_idle()  # the last call's step in flight, if any: at most one step
             if state.engine.sync_with_model():

@@ -176,6 +176,13 @@ class EngineGenerator:
         self.model = model
         self.engine = engine
 
+    def _agreed(self, base_seed: int, do_sample: bool) -> int:
+        """A sampling call's seed: rank 0's on every rank of a tensor-parallel model (engine/tensor_parallel.py)."""
+        tp = getattr(self.engine, "tp", None)
+        if tp is None or not do_sample:
+            return base_seed
+        return tp.broadcast_int(base_seed)
+
     # -- generate() --------------------------------------------------------------------------------------------
     def prepare_generate(self, input_ids: torch.Tensor, generation_config: GenerationConfig,
                          model_kwargs: dict[str, Any], logits_processor: LogitsProcessorList | None, stopping_criteria,
@@ -260,7 +267,7 @@ class EngineGenerator:
         deadline = time.monotonic() + gc.max_time if gc.max_time is not None else None
 
         n_ret = max(1, gc.num_return_sequences or 1)
-        base_seed = call_seed(seed, bool(gc.do_sample))
+        base_seed = self._agreed(call_seed(seed, bool(gc.do_sample)), bool(gc.do_sample))
         rows_cpu = input_ids.cpu()
         mask_cpu = attention_mask.cpu().bool()
         requests: list[Request] = []
@@ -336,7 +343,7 @@ class EngineGenerator:
         if max_new <= 0:
             raise ValueError(f"`max_new_tokens` must be greater than 0, but is {max_new}.")
         eos = frozenset(eos_ids(gc))
-        base_seed = call_seed(None, bool(gc.do_sample))
+        base_seed = self._agreed(call_seed(None, bool(gc.do_sample)), bool(gc.do_sample))
         max_pos = self.engine.shape.max_model_len
         requests, ids = [], []
         for i, prompt in enumerate(inputs):

@@ -23,6 +23,7 @@ from hf_accel.engine.request import Request, RequestStatus
 from hf_accel.engine.runner import ModelRunner, engine_forward
 from hf_accel.engine.sampler import Sampler
 from hf_accel.engine.scheduler import Scheduler
+from hf_accel.engine.tensor_parallel import TensorParallel, local_heads, tensor_parallel_of
 from hf_accel.ops import pdl
 
 logger = logging.getLogger(__name__)
@@ -41,13 +42,14 @@ class ModelShape:
     vocab_size: int
 
     @classmethod
-    def from_config(cls, config) -> ModelShape:
+    def from_config(cls, config, tp: TensorParallel | None = None) -> ModelShape:
+        """The attention shape one rank runs: with tensor parallel `tp`, its own share of the heads."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        num_heads, num_kv_heads = local_heads(heads, getattr(text, "num_key_value_heads", None) or heads, tp)
         return cls(
-            num_layers=text.num_hidden_layers, num_heads=heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            num_layers=text.num_hidden_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             max_model_len=getattr(text, "max_position_embeddings", None) or 2048, vocab_size=text.vocab_size,
         )
 
@@ -82,7 +84,8 @@ class LLMEngine:
         self.model = model
         self.cfg = cfg
         self.device = next(model.parameters()).device
-        self.shape = ModelShape.from_config(model.config)
+        self.tp = tensor_parallel_of(model)  # None unless transformers sharded the model (tp_plan under torchrun)
+        self.shape = ModelShape.from_config(model.config, self.tp)
         if backend_cls.kv_layout != KVLayout.NHD:
             layout = getattr(backend_cls.kv_layout, "value", backend_cls.kv_layout)
             raise NotImplementedError(f"the {backend_cls.name} backend reads a {layout} KV cache; "
@@ -100,6 +103,8 @@ class LLMEngine:
         self.backend = backend_cls(spec, self.device, self.block_size, cfg.max_num_seqs, self.max_num_tokens,
                                    self.max_blocks_per_seq)
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(spec.dtype)
+        if self.tp is not None:  # every rank's block manager must make the same decisions
+            num_blocks = self.tp.min_int(num_blocks)
         self.kv_caches = allocate_kv_cache(self.shape.num_layers, num_blocks, self.block_size,
                                            self.shape.num_kv_heads, self.shape.head_dim, spec.dtype, self.device)
         self.num_kv_blocks = num_blocks
@@ -160,15 +165,20 @@ class LLMEngine:
         if self.is_busy:
             raise RuntimeError("internal error: sync_with_model() on a busy engine")
         snapshot = take_snapshot(self.model)
-        if snapshot.engine != self._engine_key:
+        rebuild = snapshot.engine != self._engine_key or (snapshot.structure != self._structure
+                                                          and self.has_frozen_code)
+        if self.tp is not None:  # what one rank sees (its own shard changed) every rank acts on
+            rebuild = self.tp.any(rebuild)
+        if rebuild:
             return True
         if snapshot.structure != self._structure:
-            if self.has_frozen_code:
-                return True
             self._structure = snapshot.structure
         if self.cfg.enable_prefix_caching:
             key = prefix_key(snapshot, self.cfg.prefix_cache_weight_check)
-            if key != self._prefix_key:
+            changed = key != self._prefix_key
+            if self.tp is not None:
+                changed = self.tp.any(changed)
+            if changed:
                 if self._prefix_key is not None and self.block_manager.cached:
                     logger.info("hf_accel: the model's weights or adapters changed; the prefix cache was cleared")
                 self.block_manager.forget_prefixes()

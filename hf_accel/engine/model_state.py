@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_accel.engine.tensor_parallel import local_tensor
+
 _ODD = 0x9E3779B97F4A7C15 - (1 << 64)  # odd multiplier (int64) that spreads the position weights
 
 
@@ -127,7 +129,7 @@ _COLUMNS = 1024  # int32 words per row of a chunk
 def _plain_bytes(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor's bytes as a flat uint8 view (a copy only if it is not contiguous), or None for a tensor subclass
     (quantized weights), whose storage is not one plain tensor."""
-    t = t.detach()
+    t = local_tensor(t.detach())  # a tensor-parallel rank digests its own shard
     if type(t) is not torch.Tensor:
         return None
     t = t if t.is_contiguous() else t.contiguous()

@@ -1,0 +1,148 @@
+"""Tensor parallel on CPU: two ranks over gloo under torchrun, transformers' own `tp_plan="auto"` sharding.
+
+`tests/tp_worker.py` runs on each rank and records what every call returned; the checks are here. For Llama (GQA),
+Qwen3 (q/k norms) and a Llama without GQA, the accelerated sharded model must give, on every rank:
+- greedy output equal to stock `generate()` of the same model unsharded (and to stock TP generate);
+- the same again on a second call (prefix cache) and through `generate_batch()`;
+- sampled output identical on both ranks although the ranks' torch seeds differ (rank 0's seed is broadcast);
+- after rank 1 alone changed its shard of a K projection, output equal to stock TP generate of the changed model on
+  both ranks (every rank dropped its prefix cache, not just the one whose shard changed).
+A model whose KV heads do not divide by the TP size is refused with the reason (transformers' own TP cannot run it
+either). A rank that fails ends the job on every rank quickly, with the failing rank's error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(mode: str, out: Path, timeout: float) -> subprocess.CompletedProcess:
+    """torchrun with two ranks on a free local port; on timeout the whole process group is killed (no orphans)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_ACCEL_BACKGROUND_BUILDS="0")
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(WORKER), mode, str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"torchrun {mode} did not finish in {timeout} s:\n{stderr[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    proc = _torchrun("check", out, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+FAMILIES = ["llama", "qwen3", "llama-mha"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_and_accelerated_equals_unsharded_stock(ranks, family):
+    for rank, rec in enumerate(ranks):
+        entry = rec[family]
+        assert "accelerate_error" not in entry, entry.get("accelerate_error")
+        assert entry["tensor_parallel"] == {"size": 2, "rank": rank}
+        assert entry["stock_tp"] == entry["reference"]  # the sharding itself is exact here (fp32)
+        assert entry["greedy"] == entry["reference"]
+        assert entry["greedy_again"] == entry["reference"]
+        assert entry["generate_batch"] == entry["reference_generate_batch"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_rank_holds_its_own_kv_heads_and_agrees_on_blocks(ranks, family):
+    kv_total = {"llama": 2, "qwen3": 2, "llama-mha": 4}[family]
+    blocks = {rec[family]["num_kv_blocks"] for rec in ranks}
+    assert len(blocks) == 1
+    assert all(rec[family]["kv_heads_local"] == kv_total // 2 for rec in ranks)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_is_identical_on_every_rank(ranks, family):
+    assert ranks[0][family]["sampled"] == ranks[1][family]["sampled"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_shard_changed_on_one_rank_clears_every_ranks_prefix_cache(ranks, family):
+    for rec in ranks:
+        entry = rec[family]
+        assert entry["after_change"] != entry["greedy"]  # the change matters
+        assert entry["after_change"] == entry["after_change_stock"]
+
+
+def test_uneven_kv_heads_are_refused_with_the_reason(ranks):
+    for rec in ranks:
+        entry = rec["uneven-kv"]
+        assert "NotImplementedError" in entry["accelerate_error"] and "divide" in entry["accelerate_error"]
+
+
+def test_a_failing_rank_ends_the_job(tmp_path):
+    t0 = time.monotonic()
+    proc = _torchrun("fault", tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert "injected fault on rank 1" in proc.stderr + proc.stdout
+    assert time.monotonic() - t0 < 240
+
+
+def test_local_heads_arithmetic():
+    from hf_accel.engine.tensor_parallel import TensorParallel, local_heads
+
+    tp = TensorParallel(size=4, rank=1, group=None, device=torch.device("cpu"))
+    assert local_heads(32, 8, tp) == (8, 2)
+    assert local_heads(32, 8, None) == (32, 8)
+    with pytest.raises(NotImplementedError, match="divide by 4"):
+        local_heads(32, 2, tp)
+
+
+def test_a_second_concurrent_call_on_a_tp_rank_is_refused():
+    from conftest import make_llama
+
+    from hf_accel import accelerate_model, restore
+    from hf_accel.api import _admit, _leave, engine_of
+
+    model = make_llama()
+    accelerate_model(model)
+    try:
+        engine = engine_of(model)
+        class OneRank:  # stands for a TP group of one: agreement is what this rank says
+            def any(self, flag: bool) -> bool:
+                return flag
+
+        engine.tp = OneRank()
+        state = _admit(model, True)
+        try:
+            with pytest.raises(RuntimeError, match="one call at a time per rank"):
+                _admit(model, True)
+        finally:
+            _leave(model, state, True)
+        engine.tp = None
+    finally:
+        restore(model)

@@ -1,0 +1,165 @@
+"""One rank of the tensor-parallel CPU tests (tests/test_tensor_parallel.py runs it under torchrun, gloo).
+
+Usage: python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py MODE OUT_DIR
+MODE "check": for each tiny family, the same model saved once, loaded unsharded (the reference) and with
+`tp_plan="auto"`; accelerate the sharded one and record what each call returns, per rank, as JSON in OUT_DIR.
+MODE "fault": rank 1 raises after accelerating; rank 0 then calls generate() (the job must end, not hang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+warnings.simplefilter("ignore")
+
+
+def _families() -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=200,
+                  max_position_embeddings=256, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    return {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common)),
+        "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                      **common)),
+        "llama-mha": lambda: LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **common)),
+        "uneven-kv": lambda: LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=1, **common)),
+    }
+
+
+def _save(name: str, root: str) -> str:
+    path = os.path.join(root, name)
+    if dist.get_rank() == 0:
+        torch.manual_seed(7)
+        model = _families()[name]()
+        with torch.no_grad():  # larger weights than the init: fewer near-ties between the top logits
+            for p in model.parameters():
+                p.mul_(4.0 if p.dim() > 1 else 1.0)
+        model.save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+PROMPTS = [[5, 9, 13, 77], [3, 4, 5, 6, 7, 8, 9], [11]]
+
+
+def _batch():
+    from conftest import left_pad
+
+    return left_pad(PROMPTS)
+
+
+def _calls(model) -> dict:
+    """Greedy batch, EOS on; a second identical call (prefix cache); sampling with per-rank seeds."""
+    from transformers import GenerationConfig
+
+    ids, mask = _batch()
+    out = {}
+    out["greedy"] = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False).tolist()
+    out["greedy_again"] = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False).tolist()
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    res = model.generate_batch(PROMPTS, generation_config=gc)
+    out["generate_batch"] = [res[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))] if res else None
+    torch.manual_seed(1000 + dist.get_rank())  # ranks seeded differently on purpose
+    out["sampled"] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
+                                    temperature=1.0, top_k=0).tolist()
+    return out
+
+
+def check(out_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel import accelerate_model, engine_info, restore
+    from hf_accel.api import engine_of
+
+    rank = dist.get_rank()
+    root = tempfile.mkdtemp() if rank == 0 else None
+    holder = [root]
+    dist.broadcast_object_list(holder, src=0)
+    root = holder[0]
+    record: dict = {}
+    for name in _families():
+        path = _save(name, root)
+        entry: dict = {}
+        ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        ids, mask = _batch()
+        entry["reference"] = ref_model.generate(ids, attention_mask=mask, max_new_tokens=10,
+                                                do_sample=False).tolist()
+        gc_ref = [ref_model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+        entry["reference_generate_batch"] = gc_ref
+        tp_model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+        try:
+            entry["stock_tp"] = tp_model.generate(ids, attention_mask=mask, max_new_tokens=10,
+                                                  do_sample=False).tolist()
+        except Exception as exc:  # transformers' own TP cannot run it (a head split across ranks)
+            entry["stock_tp_error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            accelerate_model(tp_model)
+        except Exception as exc:
+            entry["accelerate_error"] = f"{type(exc).__name__}: {exc}"
+            record[name] = entry
+            continue
+        info = engine_info(tp_model)
+        entry["tensor_parallel"] = info["tensor_parallel"]
+        entry["num_kv_blocks"] = info["num_kv_blocks"]
+        entry["kv_heads_local"] = engine_of(tp_model).shape.num_kv_heads
+        entry.update(_calls(tp_model))
+        # rank 1 alone changes its shard of a K projection: every rank must drop its cached prefixes
+        k_proj = tp_model.model.layers[0].self_attn.k_proj.weight
+        if rank == 1:
+            with torch.no_grad():
+                local = k_proj.to_local() if hasattr(k_proj, "to_local") else k_proj
+                local.mul_(-1.0)
+        entry["after_change"] = tp_model.generate(ids, attention_mask=mask, max_new_tokens=10,
+                                                  do_sample=False).tolist()
+        restore(tp_model)
+        entry["after_change_stock"] = tp_model.generate(ids, attention_mask=mask, max_new_tokens=10,
+                                                        do_sample=False).tolist()
+        record[name] = entry
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+def fault() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_accel import accelerate_model
+
+    rank = dist.get_rank()
+    root = tempfile.mkdtemp() if rank == 0 else None
+    holder = [root]
+    dist.broadcast_object_list(holder, src=0)
+    path = os.path.join(holder[0], "m")
+    if rank == 0:
+        LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
+                                     max_position_embeddings=256)).save_pretrained(path)
+    dist.barrier()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    accelerate_model(model)
+    if rank == 1:
+        raise RuntimeError("injected fault on rank 1")
+    ids = torch.tensor([[5, 6, 7]])
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=50, do_sample=False)
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], sys.argv[2]
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if mode == "check":
+        check(out)
+    else:
+        fault()
+    dist.destroy_process_group()
