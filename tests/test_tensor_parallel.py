@@ -1,7 +1,8 @@
 """Tensor parallel on CPU: two ranks over gloo under torchrun, transformers' own `tp_plan="auto"` sharding.
 
 `tests/tp_worker.py` runs on each rank and records what every call returned; the checks are here. For Llama (GQA),
-Qwen3 (q/k norms) and a Llama without GQA, the accelerated sharded model must give, on every rank:
+Qwen3 (q/k norms), a Llama without GQA and Llama with torch.compile on (the collectives inside the compiled pieces),
+the accelerated sharded model must give, on every rank:
 - greedy output equal to stock `generate()` of the same model unsharded (and to stock TP generate);
 - the same again on a second call (prefix cache) and through `generate_batch()`;
 - sampled output identical on both ranks although the ranks' torch seeds differ (rank 0's seed is broadcast);
@@ -62,7 +63,7 @@ def ranks(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-FAMILIES = ["llama", "qwen3", "llama-mha"]
+FAMILIES = ["llama", "qwen3", "llama-mha", "llama-compiled"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -75,11 +76,12 @@ def test_sharded_and_accelerated_equals_unsharded_stock(ranks, family):
         assert entry["greedy"] == entry["reference"]
         assert entry["greedy_again"] == entry["reference"]
         assert entry["generate_batch"] == entry["reference_generate_batch"]
+        assert entry.get("compile_error") is None  # compiled for real, not a fallback to eager
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_rank_holds_its_own_kv_heads_and_agrees_on_blocks(ranks, family):
-    kv_total = {"llama": 2, "qwen3": 2, "llama-mha": 4}[family]
+    kv_total = {"llama": 2, "qwen3": 2, "llama-mha": 4, "llama-compiled": 2}[family]
     blocks = {rec[family]["num_kv_blocks"] for rec in ranks}
     assert len(blocks) == 1
     assert all(rec[family]["kv_heads_local"] == kv_total // 2 for rec in ranks)

@@ -31,6 +31,9 @@ def _families() -> dict:
         "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                       **common)),
         "llama-mha": lambda: LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **common)),
+        # the same Llama with torch.compile on (piecewise pieces around attention, collectives inside them)
+        "llama-compiled": lambda: LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=2,
+                                                               **common)),
         "uneven-kv": lambda: LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=1, **common)),
     }
 
@@ -103,7 +106,9 @@ def check(out_dir: str) -> None:
         except Exception as exc:  # transformers' own TP cannot run it (a head split across ranks)
             entry["stock_tp_error"] = f"{type(exc).__name__}: {exc}"
         try:
-            accelerate_model(tp_model)
+            accelerate_model(tp_model, compile=name.endswith("-compiled"))
+            if name.endswith("-compiled"):
+                entry["compile_error"] = engine_of(tp_model).compile_info.get("compile_error")
         except Exception as exc:
             entry["accelerate_error"] = f"{type(exc).__name__}: {exc}"
             record[name] = entry

@@ -295,6 +295,16 @@ class _Server:
             raise ValueError("the model is not accelerated (call hf_accel.accelerate_model(model) first)")
         if max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be at least 1, got {max_queued_requests}")
+        from hf_accel import engine_info
+
+        try:
+            tensor_parallel = engine_info(model).get("tensor_parallel")
+        except ValueError:  # a stand-in model (tests) or one restored meanwhile: its calls say so themselves
+            tensor_parallel = None
+        if tensor_parallel:
+            raise NotImplementedError(
+                "hf-accel serve does not serve a tensor-parallel model yet: its ranks must run the same calls in the "
+                "same order, which needs rank 0 to hand its schedule to the others (README, Tensor parallel)")
         self.model = model
         self.tokenizer = tokenizer
         self.name = served_model_name
