@@ -369,3 +369,17 @@ def test_reference_margins_are_teacher_forced_on_our_tokens() -> None:
                 logits = model(torch.tensor([prompts[d["row"]] + d["ours_row"][:s]])).logits[0, -1].float()
             assert top == pytest.approx(float(logits.max()), abs=1e-4)
             assert lead == pytest.approx(float(logits.max() - logits[d["ours_row"][s]]), abs=1e-4)
+
+
+def test_quantization_option_and_stored_weight_bytes() -> None:
+    """--quantization: the model the bench measures is quantized, and its weight bytes are what it stores (the
+    roofline and the bandwidth column use them)."""
+    pytest.importorskip("torchao")
+    dev = torch.device("cpu")
+    plain = bench.build_model("tiny", None, torch.float32, dev)
+    quant = bench.build_model("tiny", None, torch.float32, dev, "torchao-int8-weight-only")
+    assert type(quant.model.layers[0].self_attn.q_proj.weight).__name__ != "Parameter"
+    linear = sum(m.weight.numel() for m in plain.modules() if isinstance(m, torch.nn.Linear))
+    # int8 weights (1 byte instead of 4) plus per-row scales: at least 2.5 bytes saved per linear weight
+    assert bench.weight_bytes(plain) - bench.weight_bytes(quant) >= 2.5 * linear - 4 * plain.lm_head.weight.numel()
+    assert "torchao-int8-weight-only" in bench.QUANTIZATION_METHODS

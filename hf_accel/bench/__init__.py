@@ -53,6 +53,7 @@ from .workloads import (
                   GIB,
                   GUARD_SEED_BASE,
                   METHOD_LABELS,
+                  QUANTIZATION_METHODS,
                   SCALES,
                   SHAPE_NAMES,
                   TARGETS,
@@ -89,7 +90,8 @@ from .workloads import (
 
 __all__ = [
     "ANCHOR_NAMES", "ATTENTION_BACKENDS", "CUDAGRAPH_MODES", "GIB", "GUARD_NEW_TOKENS", "GUARD_SEED_BASE",
-    "GUARD_TIE_CAP", "GUARD_TIE_ULPS", "METHOD_LABELS", "SCALES", "SERVING_SCALES", "SHAPE_NAMES", "TARGETS",
+    "GUARD_TIE_CAP", "GUARD_TIE_ULPS", "METHOD_LABELS", "QUANTIZATION_METHODS", "SCALES", "SERVING_SCALES",
+    "SHAPE_NAMES", "TARGETS",
     "TOKEN_HIGH", "TOKEN_LOW", "W3_LENGTH_SEED", "WARMUP_SEED_OFFSET", "WORKLOAD_NAMES", "WORKLOAD_SEED", "CallOutput",
     "GuardCase", "Progress", "ServingSpec", "WorkloadSpec", "accel_kwargs", "add_arguments", "agreement",
     "anchor_calls", "anchor_warmup", "anchors_for", "build_model", "call_generate", "call_generate_batch",

@@ -24,6 +24,7 @@ from .serving import missing_serve_extra, parse_rates, run_w5, w5_calls, w5_spec
 from .startup import _startup_child, run_startup
 from .workloads import (
     METHOD_LABELS,
+    QUANTIZATION_METHODS,
     SCALES,
     SHAPE_NAMES,
     TARGETS,
@@ -80,12 +81,13 @@ def run_throughput(args: argparse.Namespace, report: dict[str, Any], workloads: 
     """Ours on every workload, the guard, restore, then the anchors on the same inputs."""
     api = _api()
     specs = workload_specs(args, workloads)
-    build_s, model = timed(lambda: build_model(args.shape, args.model, dtype, device), device)
+    build_s, model = timed(lambda: build_model(args.shape, args.model, dtype, device, args.quantization), device)
     text = model.config.get_text_config()
     vocab = text.vocab_size
     kwargs = accel_kwargs(args)
     wbytes, kvtok = weight_bytes(model), kv_bytes_per_token(model.config, dtype)
     report["model"].update(build_s=build_s, weight_bytes=wbytes, kv_bytes_per_token=kvtok,
+                           quantization=args.quantization,
                            config=_jsonable(model.config.to_dict()), num_parameters=sum(
                                p.numel() for p in model.parameters()))
     bandwidth = None
@@ -144,6 +146,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default=None, metavar="ID_OR_PATH", help="a Hugging Face model id or local path")
     g.add_argument("--scale", choices=("auto", "full", "tiny"), default="auto",
                    help="workload sizes: full (WORKLOADS.md) or tiny (seconds on CPU); auto: tiny for tiny shapes")
+    g.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
+                   help="quantize the model before measuring (ours and the stock anchors alike); torchao methods "
+                        "in place, the others through a save and a load with transformers' quantization config")
     g.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")

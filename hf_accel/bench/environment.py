@@ -104,6 +104,8 @@ def _accel_argv(args: argparse.Namespace) -> list[str]:
     """The command-line options that reproduce `args`' model and accelerate_model settings (startup children)."""
     argv = ["--model", args.model] if args.model else ["--shape", args.shape]
     argv += ["--dtype", args.dtype, "--scale", args.scale, "--attention-backend", args.attention_backend]
+    if getattr(args, "quantization", "none") != "none":
+        argv += ["--quantization", args.quantization]
     if args.device:
         argv += ["--device", args.device]
     if args.cudagraph_mode is not None:

@@ -41,7 +41,7 @@ def measure_startup_once(args: argparse.Namespace, device: torch.device, dtype: 
     from hf_accel.config import AccelConfig
 
     api = _api()
-    model = build_model(args.shape, args.model, dtype, device)
+    model = build_model(args.shape, args.model, dtype, device, getattr(args, "quantization", "none"))
     spec = SCALES[args.scale]["w1"]
     prompts = random_prompts(spec.prompt_lengths(), 0, model.config.get_text_config().vocab_size)
     cfg = AccelConfig(**accel_kwargs(args), compile_cache_dir=cache_dir)

@@ -133,9 +133,19 @@ def random_prompts(lengths: Sequence[int], seed: int, vocab_size: int) -> list[l
 
 
 # ----------------------------------------------------------------------------------------------------- roofline
+def _stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor really holds: a quantized tensor subclass counts its inner tensors (packed data, scales)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = flatten()
+        return sum(_stored_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every (unique) parameter: what WORKLOADS.md counts as read once per decode step."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of every (unique) parameter as stored (quantized ones packed): what WORKLOADS.md counts as read once
+    per decode step."""
+    return sum(_stored_bytes(p) for p in model.parameters())
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -206,8 +216,64 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def build_model(shape: str | None, model_id: str | None, dtype: torch.dtype, device: torch.device):
-    """A causal LM on `device`: random weights from a named shape (seeded), or loaded from an id/path."""
+# --quantization: how each method is applied. torchao quantizes the built model in place (what TorchAoConfig does at
+# load time); the others load it back from a temporary save with transformers' quantization config.
+QUANTIZATION_METHODS = ("none", "torchao-int8-weight-only", "torchao-int4-weight-only", "torchao-float8-dynamic",
+                        "bnb-nf4", "bnb-int8", "fp8")
+
+
+def _torchao_config(method: str):
+    from torchao import quantization as q
+
+    if method == "torchao-int8-weight-only":
+        return q.Int8WeightOnlyConfig()
+    if method == "torchao-int4-weight-only":
+        return q.Int4WeightOnlyConfig()
+    if method == "torchao-float8-dynamic":
+        return q.Float8DynamicActivationFloat8WeightConfig()
+    raise ValueError(method)
+
+
+def _hf_quantization_config(method: str, dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig, FineGrainedFP8Config
+
+    if method == "bnb-nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    if method == "bnb-int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if method == "fp8":
+        return FineGrainedFP8Config()
+    raise ValueError(method)
+
+
+def quantize_model(model, method: str, dtype: torch.dtype, device: torch.device):
+    """The model quantized with `method` (QUANTIZATION_METHODS); "none" returns it unchanged."""
+    if method == "none":
+        return model
+    if method.startswith("torchao-"):
+        from torchao.quantization import quantize_
+
+        quantize_(model, _torchao_config(method))
+        return model
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="hf_accel_bench_quant_") as tmp:
+        model.save_pretrained(tmp)
+        del model
+        free_memory(device)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=dtype, attn_implementation="sdpa", device_map=str(device),
+            quantization_config=_hf_quantization_config(method, dtype))
+    quantized.eval()
+    return quantized
+
+
+def build_model(shape: str | None, model_id: str | None, dtype: torch.dtype, device: torch.device,
+                quantization: str = "none"):
+    """A causal LM on `device`: random weights from a named shape (seeded), or loaded from an id/path; then
+    quantized with `quantization` (see QUANTIZATION_METHODS)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -219,6 +285,7 @@ def build_model(shape: str | None, model_id: str | None, dtype: torch.dtype, dev
             model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype, attn_implementation="sdpa")
         model.to(device)
     model.eval()
+    model = quantize_model(model, quantization, dtype, device)
     disable_eos(model)
     return model
 
