@@ -84,6 +84,20 @@ case "${1:-tests}" in
   gemm)  # issue 14: decode GEMMs, cuBLAS against the small-M Triton GEMM, with and without PDL
     timeout 400 python3 examples/bench_skinny_gemm.py --ms 1 16 64 --json "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
     grep -E "CHAIN|device" "$OUT/gemm.log"; grep -vE "CHAIN|device" "$OUT/gemm.log" | cut -c1-120 | tail -n 60 ;;
+  quant)  # issue 16: llama-3.1-8b W1/W2 per quantization method beside stock quantized generate() (eager, static)
+    # (needs torchao and bitsandbytes: carry .gpu/extra, see ../shared/gpu/README.md)
+    for q in torchao-int8-weight-only torchao-float8-dynamic bnb-nf4 bnb-int8 fp8; do
+      timeout 280 hf-accel bench --workload w1,w2 --shape llama-3.1-8b --quantization "$q" --anchors eager,static \
+        --anchor-repeats 1 --anchor-warmup 0 --no-progress --json "$OUT/quant-$q.json" >"$OUT/quant-$q.log" 2>&1
+      echo "== $q"; grep -E "hf_accel  |stock|guard|INVALID" "$OUT/quant-$q.log" | cut -c1-160
+    done ;;
+  tp)  # issue 17, on a 2-GPU lease: llama-3.1-8b W1/W2 at TP 2 beside stock TP 2 generate(), then TP 1 for the ratio
+    timeout 400 torchrun --nproc-per-node 2 -m hf_accel.bench --tensor-parallel --workload w1,w2 \
+      --shape llama-3.1-8b --anchors eager --anchor-repeats 1 --anchor-warmup 0 --no-progress \
+      --json "$OUT/tp2.json" >"$OUT/tp2.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 180 hf-accel bench --workload w1,w2 --shape llama-3.1-8b --anchors none \
+      --no-progress --json "$OUT/tp1.json" >"$OUT/tp1.log" 2>&1
+    grep -E "hf_accel  |stock|guard|INVALID" "$OUT/tp2.log" "$OUT/tp1.log" | cut -c1-160 ;;
   selection)  # backend-selection parity alone: on a fresh machine FlashInfer JIT-compiles each head dim and each
     # soft-cap / window variant (about 75 s each); six workers build them side by side
     timeout 590 python3 -m pytest -m gpu $P -rA $XDIST tests/test_backend_selection.py >"$OUT/selection.log" 2>&1

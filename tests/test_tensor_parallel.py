@@ -148,3 +148,20 @@ def test_a_second_concurrent_call_on_a_tp_rank_is_refused():
         engine.tp = None
     finally:
         restore(model)
+
+
+def test_bench_runs_tensor_parallel(tmp_path):
+    """`hf-accel bench --tensor-parallel` under torchrun: every rank measures, rank 0 writes a valid report."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_ACCEL_BACKGROUND_BUILDS="0", TMPDIR=str(tmp_path))
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "hf_accel.bench", "--shape", "tiny", "--workload", "w1",
+           "--tensor-parallel", "--anchors", "none", "--repeats", "1", "--warmup", "0", "--no-progress",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["valid"] and report["guard"]["passed"]
+    assert report["accel"]["engine_info"]["tensor_parallel"]["size"] == 2

@@ -81,7 +81,8 @@ def run_throughput(args: argparse.Namespace, report: dict[str, Any], workloads: 
     """Ours on every workload, the guard, restore, then the anchors on the same inputs."""
     api = _api()
     specs = workload_specs(args, workloads)
-    build_s, model = timed(lambda: build_model(args.shape, args.model, dtype, device, args.quantization), device)
+    build_s, model = timed(lambda: build_model(args.shape, args.model, dtype, device, args.quantization,
+                                               tensor_parallel=args.tensor_parallel), device)
     text = model.config.get_text_config()
     vocab = text.vocab_size
     kwargs = accel_kwargs(args)
@@ -146,6 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default=None, metavar="ID_OR_PATH", help="a Hugging Face model id or local path")
     g.add_argument("--scale", choices=("auto", "full", "tiny"), default="auto",
                    help="workload sizes: full (WORKLOADS.md) or tiny (seconds on CPU); auto: tiny for tiny shapes")
+    g.add_argument("--tensor-parallel", action="store_true",
+                   help="run under torchrun: the model is sharded over the ranks with tp_plan='auto' (every rank "
+                        "runs the same calls; rank 0 prints the report and writes the JSON)")
     g.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                    help="quantize the model before measuring (ours and the stock anchors alike); torchao methods "
                         "in place, the others through a save and a load with transformers' quantization config")
@@ -243,6 +247,16 @@ def run(args: argparse.Namespace) -> int:
             print("hf-accel bench: --plot needs matplotlib, which is not installed "
                   "(pip install matplotlib, or pip install 'hf_accel[plot]'); nothing was run", file=sys.stderr)
             return 2
+    rank = 0
+    if args.tensor_parallel:
+        problem = _tensor_parallel_setup(args, workloads)
+        if problem:
+            print(f"hf-accel bench: {problem}", file=sys.stderr)
+            return 2
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        args.no_progress = args.no_progress or rank != 0
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     throughput = [w for w in workloads if w not in ("startup", "w5")]
@@ -303,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
     w5_valid = report["w5"]["valid"] if report["w5"] else True
     report["valid"] = ours_valid and startup_valid and w5_valid
 
+    if rank != 0:  # every rank measured the same calls; rank 0 reports them
+        return 0 if report["valid"] else 1
     text = format_report(report)
     print(text)
     if args.json:
@@ -313,6 +329,27 @@ def run(args: argparse.Namespace) -> int:
         write_plot(report, args.plot)
         print(f"plot: {args.plot}")
     return 0 if report["valid"] else 1
+
+
+def _tensor_parallel_setup(args: argparse.Namespace, workloads: list[str]) -> str | None:
+    """Join the torchrun job (NCCL on GPUs, gloo on CPU) and pin this rank's GPU; or say why it cannot run."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return "--tensor-parallel runs under torchrun with at least 2 processes (torchrun --nproc-per-node N ...)"
+    unsupported = [w for w in workloads if w in ("startup", "w5", "threads")]
+    if unsupported:
+        return f"--tensor-parallel does not run the {', '.join(unsupported)} workload(s)"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    on_gpu = torch.cuda.is_available() and (args.device is None or args.device.startswith("cuda"))
+    if on_gpu:
+        torch.cuda.set_device(local)
+        args.device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    return None
 
 
 def _w5_usage_problem(args: argparse.Namespace) -> str | None:

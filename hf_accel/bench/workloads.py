@@ -135,16 +135,19 @@ def random_prompts(lengths: Sequence[int], seed: int, vocab_size: int) -> list[l
 # ----------------------------------------------------------------------------------------------------- roofline
 def _stored_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor really holds: a quantized tensor subclass counts its inner tensors (packed data, scales)."""
+    if type(t).__name__ == "DTensor":  # tensor parallel: this rank's shard is what this rank's GPU streams
+        return _stored_bytes(t.to_local())
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
         names, _ = flatten()
-        return sum(_stored_bytes(getattr(t, n)) for n in names)
+        inner = [getattr(t, n) for n in names]
+        return sum(_stored_bytes(x) for x in inner if isinstance(x, torch.Tensor))
     return t.numel() * t.element_size()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every (unique) parameter as stored (quantized ones packed): what WORKLOADS.md counts as read once
-    per decode step."""
+    """Bytes of every (unique) parameter as stored (quantized ones packed; a tensor-parallel rank's own shards):
+    what WORKLOADS.md counts as read once per decode step."""
     return sum(_stored_bytes(p) for p in model.parameters())
 
 
@@ -270,13 +273,46 @@ def quantize_model(model, method: str, dtype: torch.dtype, device: torch.device)
     return quantized
 
 
+def _tensor_parallel_model(shape: str | None, model_id: str | None, dtype: torch.dtype):
+    """The model sharded by transformers over the torchrun ranks (`tp_plan="auto"`). A named shape's random weights
+    are saved once per host by rank 0 (in the system's temporary directory, reused by later runs) and loaded
+    sharded by every rank, as a user's checkpoint would be."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    path = model_id
+    if not model_id:
+        path = os.path.join(tempfile.gettempdir(), f"hf_accel_bench_{shape}_{str(dtype).removeprefix('torch.')}")
+        done = os.path.join(path, ".complete")
+        if dist.get_rank() == 0 and not os.path.exists(done):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype)
+            model.save_pretrained(path)
+            del model
+            open(done, "w").close()
+        dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", tp_plan="auto")
+    model.eval()
+    return model
+
+
 def build_model(shape: str | None, model_id: str | None, dtype: torch.dtype, device: torch.device,
-                quantization: str = "none"):
+                quantization: str = "none", tensor_parallel: bool = False):
     """A causal LM on `device`: random weights from a named shape (seeded), or loaded from an id/path; then
-    quantized with `quantization` (see QUANTIZATION_METHODS)."""
+    quantized with `quantization` (see QUANTIZATION_METHODS). `tensor_parallel`: sharded over the torchrun ranks
+    (`_tensor_parallel_model`)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
+    if tensor_parallel:
+        if quantization != "none":
+            raise ValueError("--quantization and --tensor-parallel together are not supported by the bench")
+        model = _tensor_parallel_model(shape, model_id, dtype)
+        disable_eos(model)
+        return model
     if model_id:
         model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, attn_implementation="sdpa")
         model.to(device)
