@@ -222,6 +222,13 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
         backend_cls, autotune_info = _choose_backend(model, cfg, spec, device, probed)
         select_s += time.perf_counter() - t_select - (autotune_info or {}).get("seconds", 0.0)
 
+    tp = tensor_parallel_of(model)
+    if tp is not None:  # one backend on every rank (engine/tensor_parallel.py): rank 0's choice
+        chosen = tp.broadcast_str(backend_cls.name)
+        if chosen != backend_cls.name:
+            logger.info("hf_accel: rank %d uses rank 0's attention backend %s (it chose %s)", tp.rank, chosen,
+                        backend_cls.name)
+            backend_cls = select_backend(chosen, spec, device)
     original = model.config._attn_implementation
     if is_ours(original):  # a deep copy of an accelerated model: its stock implementation is in the name
         original = stock_implementation(original)

@@ -4,6 +4,8 @@ transformers shards the model itself (q/k/v and gate/up column-wise, o/down row-
 embedding row-wise, the lm_head column-wise with its output gathered), so inside a step each rank's attention sees
 its own heads only and every rank ends the forward with the full logits. What the engine adds:
 
+- one attention backend for all ranks (rank 0's choice: "auto" times each rank's GPU separately, and backends
+  differ in block size, which the schedule depends on);
 - shapes per rank: `num_heads / tp` query and `num_kv_heads / tp` KV heads, so each rank's KV cache holds its own
   KV heads only (a head count that does not divide by the TP size is refused, with the reason);
 - one block count for all ranks (the minimum of what each rank's free memory allows), so every rank's block
@@ -54,6 +56,15 @@ class TensorParallel:
         t = self._tensor([int(flag)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
+
+    def broadcast_str(self, value: str) -> str:
+        """Rank 0's `value` on every rank."""
+        import torch.distributed as dist
+
+        holder = [value]
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group,
+                                   device=self.device if self.device.type == "cuda" else None)
+        return str(holder[0])
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's `value` on every rank (the group's first rank)."""
