@@ -216,19 +216,26 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
         restore(model)  # before autotuning: the old engine's KV cache would leave it no memory
     on_gpu_graphs = device.type == "cuda" and (cfg.compile or CUDAGraphMode(cfg.cudagraph_mode).value != "none")
     progress = StartupProgress(total_phases=6, enabled=on_gpu_graphs)  # a bar only where starts take long
-    if backend_cls is None:
-        t_select = time.perf_counter()
-        progress.phase("choose the attention backend", "autotune, or the answer remembered for this GPU and shape")
-        backend_cls, autotune_info = _choose_backend(model, cfg, spec, device, probed)
-        select_s += time.perf_counter() - t_select - (autotune_info or {}).get("seconds", 0.0)
-
-    tp = tensor_parallel_of(model)
-    if tp is not None:  # one backend on every rank (engine/tensor_parallel.py): rank 0's choice
-        chosen = tp.broadcast_str(backend_cls.name)
-        if chosen != backend_cls.name:
-            logger.info("hf_accel: rank %d uses rank 0's attention backend %s (it chose %s)", tp.rank, chosen,
-                        backend_cls.name)
-            backend_cls = select_backend(chosen, spec, device)
+    try:
+        if backend_cls is None:
+            t_select = time.perf_counter()
+            progress.phase("choose the attention backend",
+                           "autotune, or the answer remembered for this GPU and shape")
+            backend_cls, autotune_info = _choose_backend(model, cfg, spec, device, probed)
+            select_s += time.perf_counter() - t_select - (autotune_info or {}).get("seconds", 0.0)
+        tp = tensor_parallel_of(model)
+        if tp is not None:  # one backend and block size on every rank (engine/tensor_parallel.py): rank 0's
+            mine = f"{backend_cls.name}|{cfg.block_size or ''}"
+            chosen = tp.broadcast_str(mine)
+            if chosen != mine:
+                name, block = chosen.split("|")
+                logger.info("hf_accel: rank %d uses rank 0's attention backend %s, block size %s (it chose %s)",
+                            tp.rank, name, block or "default", mine)
+                backend_cls = select_backend(name, spec, device)
+                cfg.block_size = int(block) if block else None
+    except BaseException:
+        progress.close()
+        raise
     original = model.config._attn_implementation
     if is_ours(original):  # a deep copy of an accelerated model: its stock implementation is in the name
         original = stock_implementation(original)
@@ -261,7 +268,8 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
         if packed is not None:
             unpack_sibling_linears(packed)
         raise
-    _mark_built(backend_cls, spec, device, cfg)  # it ran its warm-up here: whatever it builds is built now
+    if engine.runner.full_graphs is not None:  # decode and prefill both ran at warm-up: its kernels are built
+        _mark_built(backend_cls, spec, device, cfg)
     state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
                        original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed,
                        fused_ops=fused, loop=EngineLoop(engine))
@@ -370,7 +378,7 @@ def _pending_builds(names: list[str], spec: AttentionSpec, device: torch.device,
     pending = {}
     for name in names:
         cls, _ = load_backend_class(name)
-        reason = cls.pending_build(spec, device, cfg.compile_cache_dir or None) if cls is not None else None
+        reason = cls.pending_build(spec, device, cfg.compile_cache_dir) if cls is not None else None
         if reason:
             pending[name] = reason
     return pending
@@ -384,13 +392,13 @@ def _start_builds(pending: dict[str, str], spec: AttentionSpec, device: torch.de
 
     for name in pending:
         cls, _ = load_backend_class(name)
-        marker = cls.build_marker(spec, device, cfg.compile_cache_dir or None) if cls is not None else None
+        marker = cls.build_marker(spec, device, cfg.compile_cache_dir) if cls is not None else None
         if marker is not None:
             prebuild.start_background_build(name, spec, device, marker, cfg.block_size)
 
 
 def _mark_built(cls, spec: AttentionSpec, device: torch.device, cfg: AccelConfig) -> None:
-    marker = cls.build_marker(spec, device, cfg.compile_cache_dir or None) if device.type == "cuda" else None
+    marker = cls.build_marker(spec, device, cfg.compile_cache_dir) if device.type == "cuda" else None
     if marker is not None:
         from hf_accel.attention import prebuild
 
@@ -399,10 +407,12 @@ def _mark_built(cls, spec: AttentionSpec, device: torch.device, cfg: AccelConfig
 
 def _static_auto_choice(first, cfg: AccelConfig, spec: AttentionSpec, device: torch.device):
     """"auto" without autotuning: the static order's first backend whose library need not JIT-build first."""
-    if not first.pending_build(spec, device, cfg.compile_cache_dir or None):
+    if not first.pending_build(spec, device, cfg.compile_cache_dir):
         return first
     candidates = auto_candidates(spec, device)
-    ready = [c for c in candidates if not c.pending_build(spec, device, cfg.compile_cache_dir or None)]
+    if cfg.block_size is not None:  # a block size the user fixed must suit the choice
+        candidates = [c for c in candidates if cfg.block_size in c.supported_block_sizes]
+    ready = [c for c in candidates if not c.pending_build(spec, device, cfg.compile_cache_dir)]
     if not ready:
         return first
     _start_builds({first.name: ""}, spec, device, cfg)
@@ -827,6 +837,7 @@ async def agenerate(self, inputs: torch.Tensor | None = None, generation_config=
     on the event loop (transformers' `AsyncTextIteratorStreamer` fits). Cancelling the awaiting task aborts the call
     and frees its KV blocks. Calls that must run stock run it in a worker thread (`asyncio.to_thread`).
     """
+    _refuse_async_on_tensor_parallel(self, "agenerate")
     plan = _plan_generate(self, _generate_args(inputs, generation_config, logits_processor, stopping_criteria,
                                                streamer=streamer, **kwargs), seed=seed)
     state = _admit(self, counted_thread=False) if plan.prepare is not None else None
@@ -855,6 +866,7 @@ def agenerate_stream(self, inputs: torch.Tensor | None = None, generation_config
     or `await stream.aclose()` cancels the rest and frees their KV blocks. Call it from the event loop's thread.
     `seed` as in `agenerate`. This is what `hf-accel serve` is built on.
     """
+    _refuse_async_on_tensor_parallel(self, "agenerate_stream")
     if kwargs.get("streamer") is not None:
         raise ValueError("agenerate_stream() takes no streamer: iterate over the stream it returns")
     kwargs.pop("streamer", None)
@@ -873,6 +885,17 @@ def agenerate_stream(self, inputs: torch.Tensor | None = None, generation_config
         raise
     tid = threading.get_ident()
     return GenerationStream(state.loop, call, waker, on_close=lambda: _leave(self, state, False, tid))
+
+
+def _refuse_async_on_tensor_parallel(model, name: str) -> None:
+    """A cancelled task, an abort or a stream left early lands between steps at a different step on each rank, so
+    the ranks' collectives would stop pairing up: the async entry points are refused on tensor-parallel models."""
+    state = base_model_of(model).__dict__.get(_STATE)
+    if state is not None and getattr(state.engine, "tp", None) is not None:
+        raise NotImplementedError(
+            f"{name}() is not supported on a tensor-parallel model: cancelling, aborting or leaving a stream early "
+            "would end the call at a different step on each rank; use generate() or generate_batch(), the same "
+            "calls in the same order on every rank")
 
 
 def _stock_stream(model, plan: _GeneratePlan) -> StockGenerationStream:

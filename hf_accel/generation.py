@@ -264,6 +264,10 @@ class EngineGenerator:
                                  "generating with stop strings, you must pass the model's tokenizer to the "
                                  "`tokenizer` argument of `generate`.")
             criteria.append(StopStringCriteria(stop_strings=gc.stop_strings, tokenizer=tokenizer))
+        if gc.max_time is not None and getattr(self.engine, "tp", None) is not None:
+            raise NotImplementedError("max_time is not supported on a tensor-parallel model: each rank's clock would "
+                                      "stop the call at a different step, and the ranks' collectives would no longer "
+                                      "pair up (engine/tensor_parallel.py)")
         deadline = time.monotonic() + gc.max_time if gc.max_time is not None else None
 
         n_ret = max(1, gc.num_return_sequences or 1)

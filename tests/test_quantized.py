@@ -114,3 +114,32 @@ def test_generate_batch_on_a_quantized_model(checkpoint):
         assert [outs[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))] == refs
     finally:
         restore(model)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_in_place_edit_of_quantized_data_clears_the_prefix_cache(checkpoint, compile):
+    """Writing into torchao's inner tensors (`qdata`) leaves the outer version counter alone; the prefix cache must
+    still see the change (its key digests the inner tensors) and never serve KV computed under the old weights."""
+    method = "torchao-int8-weight-only"
+    if method not in METHODS:
+        pytest.skip("torchao's int8 weight-only config is not available")
+    model = _load(checkpoint, method)
+    prompt = torch.tensor([[7, 3, 9, 12, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55]])
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        accelerate_model(model, compile=compile)
+        try:
+            model.generate(prompt, **kw)  # caches the prompt's full blocks
+            attn = model.model.layers[0].self_attn
+            inner = [name for name in ("qdata", "int_data", "data") if hasattr(attn.k_proj.weight, name)]
+            if not inner:
+                pytest.skip("this torchao version names its int8 data differently")
+            with torch.no_grad():
+                for proj in (attn.k_proj, attn.v_proj):
+                    getattr(proj.weight, inner[0]).neg_()
+            got = model.generate(prompt, **kw)
+        finally:
+            restore(model)
+        want = model.generate(prompt, **kw)  # stock, on the edited weights
+    assert torch.equal(got, want)

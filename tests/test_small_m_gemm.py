@@ -56,6 +56,15 @@ def test_kernel_keeps_leading_dims_and_strided_rows():
     torch.testing.assert_close(y, F.linear(x, w), rtol=2e-3, atol=2e-3)
 
 
+def test_strided_bias_is_read_correctly():
+    x = torch.randn(3, 64, device=DEVICE)
+    w = torch.randn(40, 64, device=DEVICE)
+    b = torch.randn(80, device=DEVICE)[::2]  # a view with stride 2
+    for split in (1, 2):
+        y = G.skinny_linear(x, w, b, G.SkinnyConfig(16, 16, 32, split, 4, 2))
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=2e-3, atol=2e-3)
+
+
 def test_too_many_rows_is_refused():
     with pytest.raises(AssertionError, match="rows"):
         G.skinny_linear(torch.randn(17, 32, device=DEVICE), torch.randn(8, 32, device=DEVICE), None,

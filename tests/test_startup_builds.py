@@ -213,3 +213,40 @@ def test_builder_failure_is_recorded_and_unlocks(tmp_path):
     assert rc == 1
     assert marker.with_suffix(".failed").exists() and not marker.with_suffix(".building").exists()
     assert not prebuild.is_built(marker)
+
+
+def test_static_auto_respects_the_users_block_size(world):
+    big = _fake_backend("big")
+    big.supported_block_sizes = (256,)
+    world.classes["big"] = big
+    world.names[:] = ["jitlib", "big", "ready"]
+    world.cfg.block_size = 16
+    assert api._static_auto_choice(world.classes["jitlib"], world.cfg, SPEC, CUDA).name == "ready"
+
+
+def test_disabled_disk_cache_means_no_marker_no_build_and_no_jit_choice(world):
+    world.cfg.compile_cache_dir = ""
+    cls = world.classes["jitlib"]
+    assert cls.build_marker(SPEC, CUDA, "") is None
+    assert "cannot tell" in cls.pending_build(SPEC, CUDA, "")
+    chosen, info = _choose(world)
+    assert chosen.name != "jitlib" and world.started == []
+
+
+def test_an_unwritable_builds_directory_never_fails_a_start(tmp_path, monkeypatch):
+    monkeypatch.delenv(prebuild.ENV_DISABLE, raising=False)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    marker = blocker / "builds" / "flashinfer-x.json"  # a directory below a file: cannot be created
+    assert prebuild.start_background_build("flashinfer", SPEC, CUDA, marker) is None
+
+
+def test_the_builder_lock_is_taken_once(tmp_path, monkeypatch):
+    lock = tmp_path / "flashinfer-x.building"
+    assert prebuild._take_lock(lock) is True
+    assert prebuild._take_lock(lock) is False  # held (this live process's pid, just written)
+    lock.write_text("999999999")  # a builder that is gone
+    import os as _os
+
+    _os.utime(lock, (0, 0))  # and old
+    assert prebuild._take_lock(lock) is True

@@ -4,6 +4,7 @@ Usage: python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py MOD
 MODE "check": for each tiny family, the same model saved once, loaded unsharded (the reference) and with
 `tp_plan="auto"`; accelerate the sharded one and record what each call returns, per rank, as JSON in OUT_DIR.
 MODE "fault": rank 1 raises after accelerating; rank 0 then calls generate() (the job must end, not hang).
+MODE "compile_fault": torch.compile fails on rank 1 alone (the job must end with that cause, not hang or diverge).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def _families() -> dict:
         # the same Llama with torch.compile on (piecewise pieces around attention, collectives inside them)
         "llama-compiled": lambda: LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=2,
                                                                **common)),
+
         "uneven-kv": lambda: LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=1, **common)),
     }
 
@@ -77,6 +79,25 @@ def _calls(model) -> dict:
     return out
 
 
+def _refusals(model) -> dict:
+    """Calls whose end could land at a different step on each rank are refused, on every rank alike."""
+    import asyncio
+
+    ids, mask = _batch()
+    out = {}
+    for name, call in {
+        "max_time": lambda: model.generate(ids, attention_mask=mask, max_new_tokens=4, max_time=5.0),
+        "agenerate": lambda: asyncio.run(model.agenerate(ids, attention_mask=mask, max_new_tokens=4)),
+        "agenerate_stream": lambda: model.agenerate_stream(ids, attention_mask=mask, max_new_tokens=4),
+    }.items():
+        try:
+            call()
+            out[name] = "ran"
+        except NotImplementedError as exc:
+            out[name] = f"NotImplementedError: {exc}"
+    return out
+
+
 def check(out_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -105,9 +126,10 @@ def check(out_dir: str) -> None:
                                                   do_sample=False).tolist()
         except Exception as exc:  # transformers' own TP cannot run it (a head split across ranks)
             entry["stock_tp_error"] = f"{type(exc).__name__}: {exc}"
+        compiled = name.endswith("-compiled")
         try:
-            accelerate_model(tp_model, compile=name.endswith("-compiled"))
-            if name.endswith("-compiled"):
+            accelerate_model(tp_model, compile=compiled)
+            if compiled:
                 entry["compile_error"] = engine_of(tp_model).compile_info.get("compile_error")
         except Exception as exc:
             entry["accelerate_error"] = f"{type(exc).__name__}: {exc}"
@@ -118,6 +140,7 @@ def check(out_dir: str) -> None:
         entry["num_kv_blocks"] = info["num_kv_blocks"]
         entry["kv_heads_local"] = engine_of(tp_model).shape.num_kv_heads
         entry.update(_calls(tp_model))
+        entry["refused"] = _refusals(tp_model)
         # rank 1 alone changes its shard of a K projection: every rank must drop its cached prefixes
         k_proj = tp_model.model.layers[0].self_attn.k_proj.weight
         if rank == 1:
@@ -134,7 +157,7 @@ def check(out_dir: str) -> None:
         json.dump(record, f)
 
 
-def fault() -> None:
+def fault(mode: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_accel import accelerate_model
@@ -152,7 +175,17 @@ def fault() -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
-    accelerate_model(model)
+    if mode == "compile_fault":  # torch.compile fails on rank 1 alone: the job must end, naming the cause
+        if rank == 1:
+            from hf_accel.compilation import piecewise
+
+            def broken(self, *args):
+                raise RuntimeError("injected compile failure on rank 1")
+
+            piecewise.PiecewiseForward.compile = broken
+        accelerate_model(model, compile=True)
+    else:
+        accelerate_model(model)
     if rank == 1:
         raise RuntimeError("injected fault on rank 1")
     ids = torch.tensor([[5, 6, 7]])
@@ -166,5 +199,5 @@ if __name__ == "__main__":
     if mode == "check":
         check(out)
     else:
-        fault()
+        fault(mode)
     dist.destroy_process_group()

@@ -132,9 +132,11 @@ class AttentionBackend:
 
     @classmethod
     def build_marker(cls, spec: AttentionSpec, device: torch.device, cache_dir: str | None = None):
-        """The marker file saying this backend's kernels are built here for `spec` (None: no first-use build)."""
+        """The marker file saying this backend's kernels are built here for `spec` (None: no first-use build, or
+        `cache_dir=""`: nothing is written to disk, so no marker, no background build, and "auto" never picks a
+        library whose first use would build)."""
         cache = cls.library_cache_dir()
-        if not cls.builds_on_first_use or cache is None:
+        if not cls.builds_on_first_use or cache is None or (cache_dir is not None and str(cache_dir) == ""):
             return None
         from hf_accel.attention import prebuild
 
@@ -147,6 +149,9 @@ class AttentionBackend:
         if not cls.builds_on_first_use or cls.has_prebuilt_kernels():
             return None
         marker = cls.build_marker(spec, device, cache_dir)
+        if marker is None and cache_dir is not None and str(cache_dir) == "":
+            return (f"{cls.name} would JIT-compile its kernels on first use, and with the on-disk cache disabled "
+                    "(compile_cache_dir='') hf_accel cannot tell whether it did before")
         if marker is None:
             return None
         from hf_accel.attention import prebuild

@@ -116,6 +116,30 @@ def build_in_progress(marker: Path) -> bool:
     return pid > 0 and _pid_alive(pid)
 
 
+def _take_lock(lock: Path) -> bool:
+    """Create the builder's lock atomically (O_EXCL); a lock left by a dead builder is taken over once."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if build_in_progress(lock.with_suffix(".json")) or _young(lock):
+                return False
+            lock.unlink(missing_ok=True)  # stale: its builder is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))  # replaced by the builder's pid once it runs
+        return True
+    return False
+
+
+def _young(lock: Path, seconds: float = 30.0) -> bool:
+    """A lock written in the last seconds may still be waiting for its builder's pid."""
+    try:
+        return time.time() - lock.stat().st_mtime < seconds
+    except OSError:
+        return False
+
+
 def background_builds_enabled() -> bool:
     return os.environ.get(ENV_DISABLE, "1") != "0"
 
@@ -126,22 +150,30 @@ def start_background_build(backend: str, spec: AttentionSpec, device: torch.devi
 
     The builder runs at the lowest CPU priority, writes its log beside the marker, and never blocks this process.
     """
-    if not background_builds_enabled() or is_built(marker) or build_in_progress(marker):
+    if not background_builds_enabled() or is_built(marker):
         return None
     if marker.with_suffix(".failed").exists():  # it failed here before (its log says why): not again and again
         return None
-    marker.parent.mkdir(parents=True, exist_ok=True)
+    lock = marker.with_suffix(".building")
     log = marker.with_suffix(".log")
     cmd = [sys.executable, "-m", "hf_accel.attention.prebuild", "--backend", backend,
            "--spec", json.dumps(spec_to_dict(spec)), "--device", str(device), "--marker", str(marker)]
     if block_size:
         cmd += ["--block-size", str(block_size)]
     try:
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=_lower_priority if os.name == "posix" else None)
-        marker.with_suffix(".building").write_text(str(proc.pid))
-    except OSError as exc:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        if not _take_lock(lock):  # another process (a TP rank, a second program) is building it
+            return None
+        try:
+            with open(log, "w") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True,
+                                        preexec_fn=_lower_priority if os.name == "posix" else None)
+        except BaseException:
+            lock.unlink(missing_ok=True)
+            raise
+        lock.write_text(str(proc.pid))
+    except OSError as exc:  # a read-only or missing cache directory: no background build, never a failed start
         logger.info("hf_accel: could not start the background build of %s: %s", backend, exc)
         return None
     logger.info("hf_accel: building %s's kernels for this model in the background (pid %d, log %s); a later "

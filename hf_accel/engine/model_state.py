@@ -126,10 +126,36 @@ _CHUNK_BYTES = 256 << 20  # bytes summed per reduction: few kernel launches, a b
 _COLUMNS = 1024  # int32 words per row of a chunk
 
 
+def _plain_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The plain tensors holding `t`'s data: itself; a tensor-parallel rank's own shard; a quantized tensor
+    subclass's inner tensors (packed data, scales, zero points: `__tensor_flatten__`), so in-place writes to those
+    are seen even though they leave the outer version counter alone. None when there are none to read."""
+    t = local_tensor(t.detach())
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return [t]
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    try:
+        names, _ = flatten()
+    except Exception:
+        return None
+    parts: list[torch.Tensor] = []
+    for name in names:
+        inner = getattr(t, name, None)
+        if isinstance(inner, torch.Tensor):
+            sub = _plain_parts(inner)
+            if sub is None:
+                return None
+            parts.extend(sub)
+    return parts or None
+
+
 def _plain_bytes(t: torch.Tensor) -> torch.Tensor | None:
-    """The tensor's bytes as a flat uint8 view (a copy only if it is not contiguous), or None for a tensor subclass
-    (quantized weights), whose storage is not one plain tensor."""
-    t = local_tensor(t.detach())  # a tensor-parallel rank digests its own shard
+    """A plain tensor's bytes as a flat uint8 view (a copy only if it is not contiguous)."""
+    t = t.detach()
+    if type(t) is not torch.Tensor:
+        t = t.as_subclass(torch.Tensor) if isinstance(t, torch.nn.Parameter) else t
     if type(t) is not torch.Tensor:
         return None
     t = t if t.is_contiguous() else t.contiguous()
@@ -163,19 +189,24 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     weights. Changing one element changes its row's sum; moving values between rows or between columns changes
     the position-weighted sums. Big weights are summed in place (their chunks are views), small ones are gathered
     into one chunk first, so a whole model costs a few reductions per 256 MiB at memory speed and one host sync
-    (measured on the H200: see the CHANGELOG). A tensor subclass (quantized weights) contributes its version
-    counter instead. Not a cryptographic hash: an edit crafted to keep every row sum and every column sum of a
-    chunk (+d, -d, -d, +d at the corners of a rectangle of words) is not seen; ordinary edits (scaling, adding a
+    (measured on the H200: see the CHANGELOG). A quantized tensor subclass contributes its inner tensors (packed
+    data, scales); one whose data cannot be read that way contributes its version counter instead. Not a
+    cryptographic hash: an edit crafted to keep every row sum and every column sum of a chunk (+d, -d, -d, +d at
+    the corners of a rectangle of words) is not seen; ordinary edits (scaling, adding a
     delta, copying other weights, any single element) are.
     """
     sums: dict[str, list[torch.Tensor]] = {}
     pending: dict[str, tuple[list[torch.Tensor], int]] = {}
     fallback: list[int] = []
+    datas: list[torch.Tensor] = []
     for t in tensors:
-        data = _plain_bytes(t)
-        if data is None:
+        parts = _plain_parts(t)
+        plain = [_plain_bytes(p) for p in parts] if parts is not None else None
+        if plain is None or any(d is None for d in plain):
             fallback.append(int(t._version))
             continue
+        datas.extend(plain)
+    for data in datas:
         dev = str(data.device)
         pieces, size = pending.get(dev, ([], 0))
         offset = 0

@@ -255,12 +255,14 @@ class ModelRunner:
     @torch.inference_mode()
     def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
                            model_config, dtype: torch.dtype, *, pdl: bool = False,
-                           small_m_gemm: bool = False, progress=None) -> dict:
+                           small_m_gemm: bool = False, progress=None, tp=None) -> dict:
         """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings.
 
         `pdl`: Inductor's kernels use programmatic dependent launch. `small_m_gemm`: linears go through
         `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket.
-        `progress`: a `hf_accel.progress.StartupProgress` told when each phase starts.
+        `progress`: a `hf_accel.progress.StartupProgress` told when each phase starts. `tp`: the tensor-parallel
+        group (engine/tensor_parallel.py); a compile failure on one of its ranks ends the job instead of falling
+        back on that rank alone.
         """
         def phase(name: str, detail: str = "") -> None:
             if progress is not None:
@@ -301,6 +303,12 @@ class ModelRunner:
                     self.piecewise.compile(self.input_ids[:16][None], self.positions[:16][None],
                                            self.logits_indices[:2])
             except Exception as exc:  # e.g. a model/torch combination that specializes the token count
+                if tp is not None:  # the other ranks are already running the compiled forward's collectives:
+                    # no quiet fallback on this rank alone; the job ends (its peers' next collective fails)
+                    raise RuntimeError(
+                        f"hf_accel: torch.compile of the forward failed on tensor-parallel rank {tp.rank} "
+                        f"({type(exc).__name__}: {exc}); ranks must all compile or all not: pass compile=False "
+                        "on every rank") from exc
                 logger.warning("hf_accel: torch.compile of the forward failed (%s: %s); continuing without "
                                "compile: full CUDA graphs of the eager forward for decode, eager otherwise",
                                type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

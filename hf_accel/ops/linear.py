@@ -73,7 +73,8 @@ def _device_name(device: torch.device) -> str:
 @torch.library.custom_op("hf_accel::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_pdl: bool) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; small-M steps on CUDA may run the tuned Triton GEMM instead (see module doc)."""
-    if x.is_cuda and weight.stride(-1) == 1 and weight.dtype == x.dtype:
+    if (x.is_cuda and weight.stride(-1) == 1 and weight.dtype == x.dtype
+            and (bias is None or (bias.stride(0) == 1 and bias.dtype == x.dtype))):
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
         bucket = _bucket(m)
         if bucket is not None and m > 0:

@@ -123,6 +123,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     m = x2.shape[0]
     assert m <= config.block_m, f"skinny_linear: {m} rows do not fit block_m={config.block_m}"
     assert weight.stride(-1) == 1 and weight.shape[1] == k
+    if bias is not None and bias.stride(0) != 1:  # the kernels read the bias as contiguous
+        bias = bias.contiguous()
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*x.shape[:-1], n)
