@@ -92,6 +92,7 @@ class AccelState:
     fused_ops: FusedRecord | None = None
     loop: EngineLoop | None = None
     active_calls: int = 0  # calls admitted and not yet over (any thread, sync or async)
+    tp_out_of_step: str | None = None  # tensor parallel: why this rank can no longer pair steps with the others
     closing: bool = False  # restore() is waiting for the active calls: new calls wait, then run stock
     running_threads: dict[int, int] = field(default_factory=dict)  # thread id -> sync calls it is waiting in
     async_threads: dict[int, int] = field(default_factory=dict)  # thread id -> async calls open on its event loop
@@ -570,6 +571,10 @@ def _admit(model, counted_thread: bool) -> AccelState | None:
             if not state.closing:
                 break
             record.changed.wait()
+        if state.tp_out_of_step is not None:
+            raise RuntimeError(
+                "hf_accel: this tensor-parallel rank is out of step with the others since a call ended early on it "
+                f"({state.tp_out_of_step}); their collectives can no longer pair up, so the job must end")
         if state.active_calls and state.engine.tp is not None:
             raise RuntimeError(
                 "hf_accel: a tensor-parallel model takes one call at a time per rank, made in the same order on "
@@ -614,6 +619,9 @@ def _reaccelerate(model, state: AccelState) -> AccelState | None:
     try:
         accelerate_model(model, config=state.config)
     except Exception as exc:  # e.g. a dtype no backend runs: stay restored, serve this call stock
+        if getattr(state.engine, "tp", None) is not None:  # one rank alone must never run stock: end the job
+            raise RuntimeError(f"hf_accel: could not accelerate the changed tensor-parallel model again on this rank "
+                               f"({type(exc).__name__}: {exc}); the ranks cannot stay in step") from exc
         logger.warning("hf_accel: could not accelerate the changed model again (%s: %s); it is restored and this "
                        "call runs stock generate()", type(exc).__name__, exc)
         return None
@@ -629,7 +637,14 @@ def _run_sync(model, state: AccelState, prepare: Callable[[AccelState], Prepared
     try:
         prepared = prepare(current)
         call = EngineCall(prepared.requests, wants_events=prepared.on_events is not None)
-        current.loop.run_sync(call, prepared.on_events, prepared.before)
+        try:
+            current.loop.run_sync(call, prepared.on_events, prepared.before)
+        except BaseException as exc:
+            if getattr(current.engine, "tp", None) is not None:
+                # the call ended on this rank at a step of its own (a streamer or callback that raised, Ctrl-C, a
+                # failed step): the other ranks may have run more steps, so no further call can pair up
+                current.tp_out_of_step = f"{type(exc).__name__}: {exc}"
+            raise
         return prepared.finish()
     finally:
         _leave(model, current, counted_thread=True)

@@ -37,7 +37,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_accel.engine.loop import CallEvent
@@ -264,6 +264,10 @@ class EngineGenerator:
                                  "generating with stop strings, you must pass the model's tokenizer to the "
                                  "`tokenizer` argument of `generate`.")
             criteria.append(StopStringCriteria(stop_strings=gc.stop_strings, tokenizer=tokenizer))
+        if getattr(self.engine, "tp", None) is not None and any(isinstance(c, MaxTimeCriteria) for c in criteria):
+            raise NotImplementedError("a MaxTimeCriteria is not supported on a tensor-parallel model: each rank's "
+                                      "clock would stop the call at a different step (stopping criteria must decide "
+                                      "from the tokens alone there)")
         if gc.max_time is not None and getattr(self.engine, "tp", None) is not None:
             raise NotImplementedError("max_time is not supported on a tensor-parallel model: each rank's clock would "
                                       "stop the call at a different step, and the ranks' collectives would no longer "

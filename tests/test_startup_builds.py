@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import types
 
@@ -142,7 +143,8 @@ def test_builder_process_command_and_lock(tmp_path, monkeypatch):
             launched["cmd"], launched["kw"] = cmd, kw
 
     monkeypatch.setattr(prebuild.subprocess, "Popen", FakePopen)
-    monkeypatch.setattr(prebuild, "_pid_alive", lambda pid: pid == 4242)
+    # the lock names this (the starting) process until the builder writes its own pid
+    monkeypatch.setattr(prebuild, "_pid_alive", lambda pid: pid in (4242, os.getpid()))
     monkeypatch.delenv(prebuild.ENV_DISABLE, raising=False)
     marker = tmp_path / "builds" / "flashinfer-abc.json"
     proc = prebuild.start_background_build("flashinfer", SPEC, CUDA, marker, block_size=16)
@@ -250,3 +252,12 @@ def test_the_builder_lock_is_taken_once(tmp_path, monkeypatch):
 
     _os.utime(lock, (0, 0))  # and old
     assert prebuild._take_lock(lock) is True
+
+
+def test_a_stale_lock_is_taken_over_by_one_process_only(tmp_path):
+    lock = tmp_path / "flashinfer-y.building"
+    lock.write_text("999999999")  # its builder is gone
+    os.utime(lock, (0, 0))
+    assert prebuild._take_lock(lock) is True
+    assert prebuild._take_lock(lock) is False  # the first taker holds it now
+    assert not list(tmp_path.glob("*.stale*"))  # the renamed stale lock was removed

@@ -103,7 +103,7 @@ def test_a_shard_changed_on_one_rank_clears_every_ranks_prefix_cache(ranks, fami
 def test_calls_that_could_end_at_different_steps_are_refused(ranks):
     for rec in ranks:
         refused = rec["llama"]["refused"]
-        assert set(refused) == {"max_time", "agenerate", "agenerate_stream"}
+        assert set(refused) == {"max_time", "agenerate", "agenerate_stream", "MaxTimeCriteria"}
         assert all(v.startswith("NotImplementedError") and "tensor-parallel" in v for v in refused.values()), refused
 
 
@@ -125,6 +125,44 @@ def test_a_compile_failure_on_one_rank_ends_the_job_with_its_cause(tmp_path):
     proc = _torchrun("compile_fault", tmp_path, timeout=300)
     assert proc.returncode != 0
     assert "torch.compile of the forward failed on tensor-parallel rank 1" in proc.stderr + proc.stdout
+
+
+def test_a_call_that_ended_early_on_one_rank_stops_that_rank():
+    """A call that raised on this rank after it was submitted (a streamer, Ctrl-C) may have run another number of
+    steps than on the other ranks: the next call on this rank refuses, naming why, instead of pairing collectives
+    wrongly."""
+    from conftest import make_llama
+
+    from hf_accel import accelerate_model, restore
+    from hf_accel.api import engine_of
+
+    class OneRank:
+        def any(self, flag: bool) -> bool:
+            return flag
+
+    class Boom(Exception):
+        pass
+
+    class RaisingStreamer:
+        def put(self, value):
+            if value.dim() == 1:  # the first new token (the prompt comes as a 2-D batch)
+                raise Boom("streamer failed")
+
+        def end(self):
+            pass
+
+    model = make_llama()
+    accelerate_model(model)
+    try:
+        engine_of(model).tp = OneRank()
+        ids = torch.tensor([[5, 6, 7]])
+        with pytest.raises(Boom):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, streamer=RaisingStreamer())
+        with pytest.raises(RuntimeError, match="out of step"):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5)
+        engine_of(model).tp = None
+    finally:
+        restore(model)
 
 
 def test_local_heads_arithmetic():

@@ -89,6 +89,8 @@ def _refusals(model) -> dict:
         "max_time": lambda: model.generate(ids, attention_mask=mask, max_new_tokens=4, max_time=5.0),
         "agenerate": lambda: asyncio.run(model.agenerate(ids, attention_mask=mask, max_new_tokens=4)),
         "agenerate_stream": lambda: model.agenerate_stream(ids, attention_mask=mask, max_new_tokens=4),
+        "MaxTimeCriteria": lambda: model.generate(ids, attention_mask=mask, max_new_tokens=4,
+                                                  stopping_criteria=_max_time_criteria()),
     }.items():
         try:
             call()
@@ -96,6 +98,13 @@ def _refusals(model) -> dict:
         except NotImplementedError as exc:
             out[name] = f"NotImplementedError: {exc}"
     return out
+
+
+def _max_time_criteria():
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+    return StoppingCriteriaList([MaxTimeCriteria(5.0)])
 
 
 def check(out_dir: str) -> None:

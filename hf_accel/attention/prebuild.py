@@ -117,17 +117,23 @@ def build_in_progress(marker: Path) -> bool:
 
 
 def _take_lock(lock: Path) -> bool:
-    """Create the builder's lock atomically (O_EXCL); a lock left by a dead builder is taken over once."""
+    """Create the builder's lock atomically (O_EXCL). A lock left by a dead builder is taken over once: renamed
+    away first (only one process can rename it), then created afresh (only one process can create it)."""
     for _ in range(2):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             if build_in_progress(lock.with_suffix(".json")) or _young(lock):
                 return False
-            lock.unlink(missing_ok=True)  # stale: its builder is gone
+            stale = lock.with_name(f"{lock.name}.stale{os.getpid()}")
+            try:
+                os.rename(lock, stale)
+            except FileNotFoundError:  # another process took it over first; try to create it once more
+                continue
+            stale.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))  # replaced by the builder's pid once it runs
+            f.write(str(os.getpid()))  # the builder writes its own pid as it starts
         return True
     return False
 
@@ -172,7 +178,6 @@ def start_background_build(backend: str, spec: AttentionSpec, device: torch.devi
         except BaseException:
             lock.unlink(missing_ok=True)
             raise
-        lock.write_text(str(proc.pid))
     except OSError as exc:  # a read-only or missing cache directory: no background build, never a failed start
         logger.info("hf_accel: could not start the background build of %s: %s", backend, exc)
         return None
@@ -212,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     lock = marker.with_suffix(".building")
     t0 = time.perf_counter()
     try:
+        lock.write_text(str(os.getpid()))  # the lock now names a process that exists exactly as long as the build
         spec = spec_from_dict(json.loads(args.spec))
         device = torch.device(args.device)
         _build(args.backend, spec, device, args.block_size)

@@ -131,6 +131,8 @@ def _plain_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
     subclass's inner tensors (packed data, scales, zero points: `__tensor_flatten__`), so in-place writes to those
     are seen even though they leave the outer version counter alone. None when there are none to read."""
     t = local_tensor(t.detach())
+    if t.is_meta or t.layout != torch.strided or t.is_quantized:  # no plain bytes to read: the version counts
+        return None
     if type(t) in (torch.Tensor, torch.nn.Parameter):
         return [t]
     flatten = getattr(t, "__tensor_flatten__", None)
@@ -198,15 +200,23 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     sums: dict[str, list[torch.Tensor]] = {}
     pending: dict[str, tuple[list[torch.Tensor], int]] = {}
     fallback: list[int] = []
-    datas: list[torch.Tensor] = []
-    for t in tensors:
+    def readable(t: torch.Tensor) -> list[torch.Tensor] | None:
         parts = _plain_parts(t)
-        plain = [_plain_bytes(p) for p in parts] if parts is not None else None
-        if plain is None or any(d is None for d in plain):
-            fallback.append(int(t._version))
-            continue
-        datas.extend(plain)
-    for data in datas:
+        if parts is None or any(type(p.detach()) not in (torch.Tensor, torch.nn.Parameter) for p in parts):
+            return None
+        return parts
+
+    def byte_views() -> Iterable[torch.Tensor]:
+        # one tensor at a time: a non-contiguous weight's contiguous copy lives only while its chunks are built
+        for t in tensors:
+            parts = readable(t)
+            if parts is None:
+                fallback.append(int(t._version))
+                continue
+            for part in parts:
+                yield _plain_bytes(part)
+
+    for data in byte_views():
         dev = str(data.device)
         pieces, size = pending.get(dev, ([], 0))
         offset = 0
