@@ -84,6 +84,12 @@ case "${1:-tests}" in
   gemm)  # issue 14: decode GEMMs, cuBLAS against the small-M Triton GEMM, with and without PDL
     timeout 400 python3 examples/bench_skinny_gemm.py --ms 1 16 64 --json "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
     grep -E "CHAIN|device" "$OUT/gemm.log"; grep -vE "CHAIN|device" "$OUT/gemm.log" | cut -c1-120 | tail -n 60 ;;
+  startup)  # issue 15: fresh (empty compile, triton and FlashInfer caches) and warm starts of every shape with auto
+    for sh in qwen3-0.6b llama-3.2-1b llama-3.1-8b; do
+      timeout 190 hf-accel bench --workload startup --shape "$sh" --anchors none --no-progress \
+        --json "$OUT/startup-$sh.json" >"$OUT/startup-$sh.log" 2>&1
+      echo "== $sh"; grep -iE "startup|cold|warm|INVALID" "$OUT/startup-$sh.log" | cut -c1-160 | head -8
+    done ;;
   quant)  # issue 16: llama-3.1-8b W1/W2 per quantization method beside stock quantized generate() (eager, static)
     # (needs torchao and bitsandbytes: carry .gpu/extra, see ../shared/gpu/README.md)
     for q in torchao-int8-weight-only torchao-float8-dynamic bnb-nf4 bnb-int8 fp8; do
