@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from hf_accel.ops import pdl
+from hf_accel.ops.linear import time_in_graph
 from hf_accel.ops.skinny_gemm import SkinnyConfig, default_config, skinny_linear
 
 SHAPES = {  # name: (hidden, intermediate, heads, kv heads, head dim, layers, vocab)
@@ -36,28 +36,8 @@ def linears(shape: str) -> dict[str, tuple[int, int]]:
 
 
 def time_graph(fn, reps: int = 20, samples: int = 7) -> float:
-    """Median microseconds per call of `fn`, `reps` calls captured in one graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+    """Median microseconds per call of `fn`, `reps` calls captured in one CUDA graph (the tuner's own timing)."""
+    return time_in_graph(fn, reps, samples) * 1e6
 
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[SkinnyConfig]:

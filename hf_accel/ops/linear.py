@@ -122,7 +122,7 @@ def _candidates(bucket: int) -> list:
     return [SkinnyConfig(block_m, bn, bk, split, 4, 4) for bn, bk in tiles for split in (1, 2, 4, 8)]
 
 
-def _time_graph(fn, reps: int = 16, samples: int = 5) -> float:
+def time_in_graph(fn, reps: int = 16, samples: int = 5) -> float:
     """Median seconds per call of `fn`, `reps` calls captured in one CUDA graph (launch overhead excluded).
 
     Each call's output is dropped at once, so a graph's private pool holds about one output (keeping them all, for
@@ -173,7 +173,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
             return call(w)
         return fn
 
-    best_cfg, best_t = None, _time_graph(cycling(lambda w: F.linear(x, w, bias)))
+    best_cfg, best_t = None, time_in_graph(cycling(lambda w: F.linear(x, w, bias)))
     cublas_t = best_t
     for cfg in _candidates(bucket):
         if cfg.split_k > 1 and k // (cfg.split_k * cfg.block_k) < 1:
@@ -184,7 +184,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
             if not err <= tol:  # a broken config must never win (NaN included)
                 logger.warning("hf_accel: small-M GEMM config %s gave error %.3g on %dx%d; skipped", cfg, err, n, k)
                 continue
-            t = _time_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl)))
+            t = time_in_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl)))
         except Exception as exc:  # a config that does not compile on this GPU / triton
             logger.debug("small-M GEMM config %s failed: %s", cfg, exc)
             continue
