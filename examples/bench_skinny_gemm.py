@@ -1,7 +1,7 @@
 """Decode GEMMs on the GPU: cuBLAS (F.linear) against hf_accel's small-M Triton GEMM, with and without PDL.
 
-For each WORKLOADS.md shape's linears (q/k/v and gate/up packed, as the engine runs them) and M rows in {1, 8, 16,
-32, 64}, times cuBLAS and a grid of tile configurations of `hf_accel.ops.skinny_gemm` and prints the best, in us and
+For each WORKLOADS.md shape's linears (q/k/v and gate/up packed, as the engine runs them) and M rows (default 1,
+16, 64), times cuBLAS and a grid of tile configurations of `hf_accel.ops.skinny_gemm` and prints the best, in us and
 TB/s of weight bytes. Weights are cycled through enough copies that L2 (50 MB) cannot hold them. Then a "layer
 chain": every layer's four GEMMs in sequence, captured in one CUDA graph, cuBLAS vs ours without and with PDL, which
 is what a decode step's GEMM time looks like.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from hf_accel.ops import pdl
 from hf_accel.ops.linear import time_in_graph
-from hf_accel.ops.skinny_gemm import SkinnyConfig, default_config, skinny_linear
+from hf_accel.ops.skinny_gemm import SkinnyConfig, skinny_linear
 
 SHAPES = {  # name: (hidden, intermediate, heads, kv heads, head dim, layers, vocab)
     "qwen3-0.6b": (1024, 3072, 16, 8, 128, 28, 151936),
@@ -40,20 +40,17 @@ def time_graph(fn, reps: int = 20, samples: int = 7) -> float:
     return time_in_graph(fn, reps, samples) * 1e6
 
 
-def candidates(m: int, n: int, k: int, sms: int) -> list[SkinnyConfig]:
+def candidates(m: int, k: int) -> list[SkinnyConfig]:
+    """A wider grid than the tuner's (ops/linear.py) for exploring: five tiles (four at M > 16) x four splits."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     tiles = [(16, 512), (32, 256), (64, 128), (64, 256), (128, 128)] if bm == 16 else [(32, 128), (64, 64),
                                                                                       (64, 128), (128, 64)]
-    out = {default_config(m, n, k, sms)}
-    for (bn, bk), split, warps, stages in itertools.product(tiles, (1, 2, 4, 8), (4,), (4,)):
-        if split > 1 and k // (split * bk) < 1:
-            continue
-        out.add(SkinnyConfig(bm, bn, bk, split, warps, stages))
-    return sorted(out, key=str)
+    return [SkinnyConfig(bm, bn, bk, split, 4, 4) for (bn, bk), split in itertools.product(tiles, (1, 2, 4, 8))
+            if split == 1 or k // (split * bk) >= 1]
 
 
-def sweep_linear(shape: str, name: str, n: int, k: int, ms: list[int], sms: int, use_pdl: bool) -> list[dict]:
-    """cuBLAS, our default tile and the best of the candidate tiles for one weight shape at each M."""
+def sweep_linear(shape: str, name: str, n: int, k: int, ms: list[int], use_pdl: bool) -> list[dict]:
+    """cuBLAS and the best of the candidate tiles for one weight shape at each M."""
     dev = torch.device("cuda")
     nbytes = n * k * 2
     copies = max(1, -(-200_000_000 // nbytes))
@@ -71,7 +68,7 @@ def sweep_linear(shape: str, name: str, n: int, k: int, ms: list[int], sms: int,
 
         t_cublas = run(None)
         best = None
-        for cfg in candidates(m, n, k, sms):
+        for cfg in candidates(m, k):
             try:
                 err = (skinny_linear(x, ws[0], None, cfg, use_pdl).float() - ref.float()).abs().max().item()
                 t = run(cfg)
@@ -80,13 +77,12 @@ def sweep_linear(shape: str, name: str, n: int, k: int, ms: list[int], sms: int,
                 continue
             if best is None or t < best[0]:
                 best = (t, cfg, err)
-        t_default = run(default_config(m, n, k, sms))
         row = {"shape": shape, "linear": name, "n": n, "k": k, "m": m, "cublas_us": t_cublas,
-               "ours_default_us": t_default, "ours_best_us": best[0], "best": best[1].__dict__,
+               "ours_best_us": best[0], "best": best[1].__dict__,
                "max_abs_err": best[2], "cublas_tbps": nbytes / t_cublas / 1e6, "ours_best_tbps": nbytes / best[0] / 1e6}
         rows.append(row)
         print(f"{shape:13s} {name:8s} m={m:3d} n={n:6d} k={k:5d}: cublas {t_cublas:7.2f} us "
-              f"({row['cublas_tbps']:.2f} TB/s)  ours default {t_default:7.2f}  best {best[0]:7.2f} us "
+              f"({row['cublas_tbps']:.2f} TB/s)  best {best[0]:7.2f} us "
               f"({row['ours_best_tbps']:.2f} TB/s) {best[1]} err {best[2]:.3g}", flush=True)
     return rows
 
@@ -137,7 +133,7 @@ def main() -> None:
     chains: list[dict] = []
     for shape in args.shapes:
         for name, (n, k) in linears(shape).items():
-            results += sweep_linear(shape, name, n, k, args.ms, sms, use_pdl)
+            results += sweep_linear(shape, name, n, k, args.ms, use_pdl)
             torch.cuda.empty_cache()
         chains += layer_chain(shape, results, args.ms)
         torch.cuda.empty_cache()

@@ -40,7 +40,7 @@ from hf_accel.config import AccelConfig, CUDAGraphMode
 from hf_accel.engine.engine import LLMEngine, ModelShape
 from hf_accel.engine.loop import EngineCall, EngineLoop
 from hf_accel.engine.model_state import is_tuner_layer
-from hf_accel.engine.tensor_parallel import tensor_parallel_of
+from hf_accel.engine.tensor_parallel import TensorParallel, tensor_parallel_of
 from hf_accel.generation import EngineGenerator, PreparedCall, eos_ids, stock_reason
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.patches import family_patch
@@ -128,8 +128,9 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _attention_spec(model: torch.nn.Module) -> AttentionSpec:
-    shape = ModelShape.from_config(model.config, tensor_parallel_of(model))
+def _attention_spec(model: torch.nn.Module, tp: TensorParallel | None = None) -> AttentionSpec:
+    """The attention shape one rank runs (`tp`: the model's tensor-parallel group, if any)."""
+    shape = ModelShape.from_config(model.config, tp)
     text = model.config.get_text_config()
     dtype = next(model.parameters()).dtype
     return AttentionSpec(
@@ -202,7 +203,8 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     cfg = (config or AccelConfig()).updated(**passed)
     device = _model_device(model)
     cfg = cfg.resolve_for(device)
-    spec = _attention_spec(model)
+    tp = tensor_parallel_of(model)
+    spec = _attention_spec(model, tp)
     # select_s: the checks and the optional libraries they import (every candidate's when autotuning, the winner's
     # alone when its answer is remembered); autotune_s is the timing itself
     t_select = time.perf_counter()
@@ -224,7 +226,6 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
                            "autotune, or the answer remembered for this GPU and shape")
             backend_cls, autotune_info = _choose_backend(model, cfg, spec, device, probed)
             select_s += time.perf_counter() - t_select - (autotune_info or {}).get("seconds", 0.0)
-        tp = tensor_parallel_of(model)
         if tp is not None:  # one backend and block size on every rank (engine/tensor_parallel.py): rank 0's
             mine = f"{backend_cls.name}|{cfg.block_size or ''}"
             chosen = tp.broadcast_str(mine)
@@ -516,7 +517,7 @@ def available_backends(model=None) -> dict[str, str | None]:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return available_backends_for(None, device)
     model = base_model_of(model)
-    return available_backends_for(_attention_spec(model), _model_device(model))
+    return available_backends_for(_attention_spec(model, tensor_parallel_of(model)), _model_device(model))
 
 
 def engine_of(model) -> LLMEngine:

@@ -71,15 +71,6 @@ def test_too_many_rows_is_refused():
                         G.SkinnyConfig(16, 16, 32, 1))
 
 
-def test_default_config_fills_the_gpu():
-    # a narrow weight gets split-K so that there are about two programs per SM; a wide one does not
-    narrow = G.default_config(1, 1024, 2048, 132)
-    wide = G.default_config(1, 151936, 1024, 132)
-    assert narrow.split_k > 1 and (1024 // narrow.block_n) * narrow.split_k >= 132 // 2
-    assert wide.split_k == 1
-    assert G.default_config(64, 4096, 4096, 132).block_m == 64
-
-
 def test_op_is_f_linear_when_untuned_or_on_cpu():
     linear_op.clear_decisions()
     x, w, b = torch.randn(2, 3, 8), torch.randn(5, 8), torch.randn(5)

@@ -146,17 +146,14 @@ class AttentionBackend:
     def pending_build(cls, spec: AttentionSpec, device: torch.device, cache_dir: str | None = None) -> str | None:
         """Why this backend's first use here would stall on a long JIT build; None when its kernels are ready
         (built before, per the marker; prebuilt), or when it builds nothing worth avoiding. Imports no library."""
-        if not cls.builds_on_first_use or cls.has_prebuilt_kernels():
+        if not cls.builds_on_first_use or cls.has_prebuilt_kernels() or cls.library_cache_dir() is None:
             return None
-        marker = cls.build_marker(spec, device, cache_dir)
-        if marker is None and cache_dir is not None and str(cache_dir) == "":
+        if cache_dir is not None and str(cache_dir) == "":
             return (f"{cls.name} would JIT-compile its kernels on first use, and with the on-disk cache disabled "
                     "(compile_cache_dir='') hf_accel cannot tell whether it did before")
-        if marker is None:
-            return None
         from hf_accel.attention import prebuild
 
-        if prebuild.is_built(marker):
+        if prebuild.is_built(cls.build_marker(spec, device, cache_dir)):
             return None
         return (f"{cls.name} would JIT-compile its kernels for this attention shape on first use here "
                 f"(about 75-90 s per head dim on an H200)")

@@ -134,15 +134,11 @@ def random_prompts(lengths: Sequence[int], seed: int, vocab_size: int) -> list[l
 
 # ----------------------------------------------------------------------------------------------------- roofline
 def _stored_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor really holds: a quantized tensor subclass counts its inner tensors (packed data, scales)."""
-    if type(t).__name__ == "DTensor":  # tensor parallel: this rank's shard is what this rank's GPU streams
-        return _stored_bytes(t.to_local())
-    flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
-        names, _ = flatten()
-        inner = [getattr(t, n) for n in names]
-        return sum(_stored_bytes(x) for x in inner if isinstance(x, torch.Tensor))
-    return t.numel() * t.element_size()
+    """Bytes a tensor really holds: a quantized tensor subclass's inner tensors (packed data, scales), a
+    tensor-parallel rank's own shard (what this rank's GPU streams); the prefix-cache digest reads the same parts."""
+    from hf_accel.engine.model_state import plain_parts
+
+    return sum(p.numel() * p.element_size() for p in plain_parts(t) or [t])
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -49,11 +49,20 @@ class PackRecord:
     bytes: int = 0
 
 
+def is_dense(t: object) -> bool:
+    """A plain floating-point tensor, or Dynamo's fake of one: not a quantized tensor subclass (torchao, bitsandbytes)
+    or a DTensor, which have their own storage formats (no concatenation, no `as_strided` over a packed block, no
+    raw data pointer for our kernels)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if type(t).__name__ == "FakeTensor":
+        return t.dtype.is_floating_point and not t.is_quantized
+    return (type(t) in (torch.nn.Parameter, torch.Tensor) and type(t.data) is torch.Tensor
+            and t.dtype.is_floating_point and not t.is_quantized)
+
+
 def _dense(t: torch.Tensor | None) -> bool:
-    """A plain floating-point tensor: not a quantized tensor subclass (torchao, bitsandbytes), which has its own
-    storage format and may not support the concatenation packing needs."""
-    return t is None or (type(t) in (torch.nn.Parameter, torch.Tensor) and type(t.data) is torch.Tensor
-                         and t.dtype.is_floating_point and not t.is_quantized)
+    return t is None or is_dense(t)
 
 
 def _packable(linears: list[torch.nn.Module], shared: set[int]) -> bool:

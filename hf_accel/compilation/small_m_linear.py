@@ -9,22 +9,12 @@ until `ops.linear.tune_linears` has run.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx
 
-from hf_accel.compilation.linear_packing import LINEAR_TARGETS
+from hf_accel.compilation.linear_packing import LINEAR_TARGETS, is_dense
 
 ROUTED_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _plain(t: Any) -> bool:
-    """A dense tensor (or Dynamo's fake of one), not a quantized or other tensor subclass."""
-    if not isinstance(t, torch.Tensor):
-        return False
-    cls = type(t)
-    return cls in (torch.Tensor, torch.nn.Parameter) or cls.__name__ == "FakeTensor"
 
 
 def route_small_m_linears(gm: torch.fx.GraphModule, use_pdl: bool,
@@ -41,7 +31,7 @@ def route_small_m_linears(gm: torch.fx.GraphModule, use_pdl: bool,
         xv = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
         wv = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
         bv = b.meta.get("example_value") if isinstance(b, torch.fx.Node) else None
-        if not (_plain(xv) and _plain(wv)) or (b is not None and not _plain(bv)):
+        if not (is_dense(xv) and is_dense(wv)) or (b is not None and not is_dense(bv)):
             continue
         if wv.dim() != 2 or wv.dtype not in ROUTED_DTYPES or xv.dtype != wv.dtype:
             continue

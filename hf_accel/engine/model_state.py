@@ -126,7 +126,7 @@ _CHUNK_BYTES = 256 << 20  # bytes summed per reduction: few kernel launches, a b
 _COLUMNS = 1024  # int32 words per row of a chunk
 
 
-def _plain_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
+def plain_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
     """The plain tensors holding `t`'s data: itself; a tensor-parallel rank's own shard; a quantized tensor
     subclass's inner tensors (packed data, scales, zero points: `__tensor_flatten__`), so in-place writes to those
     are seen even though they leave the outer version counter alone. None when there are none to read."""
@@ -146,7 +146,7 @@ def _plain_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
     for name in names:
         inner = getattr(t, name, None)
         if isinstance(inner, torch.Tensor):
-            sub = _plain_parts(inner)
+            sub = plain_parts(inner)
             if sub is None:
                 return None
             parts.extend(sub)
@@ -201,7 +201,7 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     pending: dict[str, tuple[list[torch.Tensor], int]] = {}
     fallback: list[int] = []
     def readable(t: torch.Tensor) -> list[torch.Tensor] | None:
-        parts = _plain_parts(t)
+        parts = plain_parts(t)
         if parts is None or any(type(p.detach()) not in (torch.Tensor, torch.nn.Parameter) for p in parts):
             return None
         return parts

@@ -43,7 +43,7 @@ MIN_GAIN = {1: 0.03, 16: 0.03, 64: 0.10}
 TUNE_FILE = "small_m_gemm.json"
 TUNE_VERSION = 2  # part of every stored key: decisions of older candidate sets or thresholds are not reused
 
-# (device name, dtype, n, k, has_bias, bucket) -> SkinnyConfig | None (None: cuBLAS)
+# (device index, dtype, n, k, has_bias, bucket) -> SkinnyConfig | None (None: cuBLAS); on disk the device is named
 _decisions: dict[tuple, object] = {}
 _lock = threading.Lock()
 
@@ -55,19 +55,23 @@ def _bucket(m: int) -> int | None:
     return None
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _key(device: torch.device, dtype: torch.dtype, n: int, k: int, has_bias: bool, bucket: int) -> tuple:
-    return (_device_name(device), str(dtype), n, k, has_bias, bucket)
+    """The in-memory key: cheap to build, since the op builds one per call of a step that is not replayed."""
+    return (_index(device), dtype, n, k, has_bias, bucket)
 
 
-_names: dict[int, str] = {}
+def _stored_key(device: torch.device, dtype: torch.dtype, n: int, k: int, has_bias: bool, bucket: int,
+                use_pdl: bool) -> str:
+    """The on-disk key: the GPU by name (the cache directory may move between machines), the tuning version."""
+    name = torch.cuda.get_device_name(_index(device))
+    return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}|v{TUNE_VERSION}"
 
 
-def _device_name(device: torch.device) -> str:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    name = _names.get(index)
-    if name is None:
-        name = _names[index] = torch.cuda.get_device_name(index)
-    return name
+_skinny_linear = None  # hf_accel.ops.skinny_gemm.skinny_linear, imported on first use (it imports triton)
 
 
 @torch.library.custom_op("hf_accel::linear", mutates_args=())
@@ -80,9 +84,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
         if bucket is not None and m > 0:
             cfg = _decisions.get(_key(x.device, x.dtype, weight.shape[0], weight.shape[1], bias is not None, bucket))
             if cfg is not None:
-                from hf_accel.ops.skinny_gemm import skinny_linear
-
-                return skinny_linear(x, weight, bias, cfg, use_pdl)
+                global _skinny_linear
+                if _skinny_linear is None:
+                    from hf_accel.ops.skinny_gemm import skinny_linear as _skinny_linear
+                return _skinny_linear(x, weight, bias, cfg, use_pdl)
     return F.linear(x, weight, bias)
 
 
@@ -219,7 +224,7 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
         for n, k, has_bias in shapes:
             for bucket in M_BUCKETS:
                 key = _key(device, dtype, n, k, has_bias, bucket)
-                skey = "|".join(map(str, key)) + f"|pdl={int(use_pdl)}|v{TUNE_VERSION}"
+                skey = _stored_key(device, dtype, n, k, has_bias, bucket, use_pdl)
                 if key in _decisions:
                     cfg = _decisions[key]
                 elif skey in stored:

@@ -99,19 +99,6 @@ def _split_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K, BLOCK
     tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def default_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
-    """A tile for `m` rows of an `[n, k]` weight: about two programs per SM, each streaming >= 16 KiB per step."""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 32 if block_m <= 16 else 64
-    block_k = 256 if block_m <= 16 else 128
-    n_blocks = triton.cdiv(n, block_n)
-    k_blocks = triton.cdiv(k, block_k)
-    split = 1
-    while n_blocks * split < 2 * num_sms and split * 2 <= k_blocks // 2 and split < 16:
-        split *= 2
-    return SkinnyConfig(block_m, block_n, block_k, split, num_warps=4, num_stages=4)
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
                   use_pdl: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x` of at most `config.block_m` rows (leading dims flattened)."""
