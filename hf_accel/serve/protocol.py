@@ -65,15 +65,11 @@ class CompletionRequest(_SamplingRequest):
     suffix: StrictStr | None = None
 
     def unsupported_fields(self) -> list[str]:
-        bad = _unsupported_common(self)
-        if self.logprobs is not None:
+        bad = _truthy(self, ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix"))
+        if self.logprobs is not None:  # logprobs=0 asks for the sampled token's logprob: also unsupported
             bad.append("logprobs")
-        if self.echo:
-            bad.append("echo")
         if self.best_of is not None and self.best_of != (self.n or 1):
             bad.append("best_of")
-        if self.suffix:
-            bad.append("suffix")
         return bad
 
 
@@ -108,15 +104,8 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict[str, Any] | None = None
 
     def unsupported_fields(self) -> list[str]:
-        bad = _unsupported_common(self)
-        if self.logprobs:
-            bad.append("logprobs")
-        if self.top_logprobs:
-            bad.append("top_logprobs")
-        if self.tools:
-            bad.append("tools")
-        if self.functions:
-            bad.append("functions")
+        bad = _truthy(self, ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools",
+                             "functions"))
         if self.tool_choice not in (None, "none", "auto"):
             bad.append("tool_choice")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
@@ -124,12 +113,6 @@ class ChatCompletionRequest(_SamplingRequest):
         return bad
 
 
-def _unsupported_common(req: _SamplingRequest) -> list[str]:
-    bad = []
-    if req.presence_penalty:
-        bad.append("presence_penalty")
-    if req.frequency_penalty:
-        bad.append("frequency_penalty")
-    if req.logit_bias:
-        bad.append("logit_bias")
-    return bad
+def _truthy(req: _SamplingRequest, names: tuple[str, ...]) -> list[str]:
+    """The named fields the request set to something (those we do not implement: a 400 lists them)."""
+    return [name for name in names if getattr(req, name)]
