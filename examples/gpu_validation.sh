@@ -90,6 +90,16 @@ case "${1:-tests}" in
         --json "$OUT/startup-$sh.json" >"$OUT/startup-$sh.log" 2>&1
       echo "== $sh"; grep -iE "startup|cold|warm|INVALID" "$OUT/startup-$sh.log" | cut -c1-160 | head -8
     done ;;
+  quant-tests)  # issue 16 and what changed since the last round, on a 1-GPU lease in one call: carry .gpu/extra
+    # (51 MB: torchao, bitsandbytes, PEFT, server packages; installed here, no staging call) instead of .gpu/wheels
+    mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    timeout 300 python3 -m pytest -m gpu $P -rA tests/test_gpu_quantized.py >"$OUT/quant-tests.log" 2>&1
+    timeout 250 python3 -m pytest -m gpu $P --ignore=tests/test_gpu_ab.py --ignore=tests/test_backend_selection.py \
+      --ignore=tests/test_gpu_quantized.py >"$OUT/rest.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/quant-tests.log" | cut -c1-220; tail -n 3 "$OUT/rest.log"
+    cat "$OUT/fp32.jsonl" 2>/dev/null | cut -c1-400 ;;
   quant)  # issue 16: llama-3.1-8b W1/W2 per quantization method beside stock quantized generate() (eager, static)
     # (needs torchao and bitsandbytes: carry .gpu/extra, see ../shared/gpu/README.md)
     for q in torchao-int8-weight-only torchao-float8-dynamic bnb-nf4 bnb-int8 fp8; do

@@ -546,6 +546,9 @@ def engine_info(model) -> dict[str, Any]:
         "tensor_parallel": ({"size": eng.tp.size, "rank": eng.tp.rank} if getattr(eng, "tp", None) is not None
                             else None),
         "small_m_gemm": eng.compile_info.get("small_m_gemm"),
+        "packed_linear_groups": state.packed_linears.groups if state.packed_linears is not None else 0,
+        # what was turned off at startup and why (e.g. a quantized module that a CUDA graph cannot capture)
+        "fallbacks": {k: eng.compile_info[k] for k in ("compile_error", "capture_error") if k in eng.compile_info},
         "fused_ops": ({"norms": state.fused_ops.norms, "mlps": state.fused_ops.mlps}
                       if state.fused_ops is not None and state.fused_ops.modules else None),
         "config": {k: (v.value if hasattr(v, "value") else v) for k, v in vars(state.config).items()},

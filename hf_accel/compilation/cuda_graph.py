@@ -67,8 +67,13 @@ def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGrap
         graph.capture_begin(pool=pool)
         try:
             out = fn()
-        finally:
-            graph.capture_end()
+        except BaseException:  # end the (now invalid) capture, but report fn's error, not capture_end's
+            try:
+                graph.capture_end()
+            except Exception:
+                pass
+            raise
+        graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     return graph, out
 

@@ -576,6 +576,16 @@ class PiecewiseForward:
             self.graphs_enabled = previous
 
     # ------------------------------------------------------------------ CUDA graphs
+    def drop_graphs(self) -> None:
+        """Forget every piecewise graph and capture no more: the pieces run compiled, without graphs (after a
+        capture failed, e.g. on an op that cannot run inside a CUDA graph)."""
+        self.use_cudagraph = False
+        self.graphs_enabled = False
+        self.capturing_size, self.pool_ptrs = None, set()
+        for piece in self.pieces:
+            piece.captures.clear()
+        self.stats.captured_sizes.clear()
+
     def capture(self, sizes: Iterable[int] | None, run_fn: Callable[[int], Any]) -> None:
         """Capture the graphable pieces for every T in `sizes` (default: capture_sizes), largest first."""
         if not self.use_cudagraph:

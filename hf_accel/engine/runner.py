@@ -335,50 +335,83 @@ class ModelRunner:
                 report["decisions"] = decisions_for(shapes, self.device, dtype)
                 info["small_m_gemm"] = report
                 info["small_m_gemm_s"] = report["seconds"]
-        if compile:
-            t0 = time.perf_counter()
 
-            def run_piece(t: int):
-                meta = self.upload(self.dummy_inputs([t]))
-                self.backend.prepare(meta)
-                with forward_context(self.context(meta)):
-                    return self.piecewise(self.input_ids[:t][None], self.positions[:t][None], self.logits_indices[:1])
+        def capture_graphs() -> None:
+            if compile:
+                t0 = time.perf_counter()
 
-            if on_cuda:
-                phase("capture CUDA graphs", f"piecewise: {len(self.dispatcher.piecewise_sizes)} sizes, "
-                                             f"full: {len(self.dispatcher.full_capture_keys())} batch shapes")
-                self.piecewise.capture(self.dispatcher.piecewise_sizes, run_piece)
-            info["capture_s"] += time.perf_counter() - t0
-        keys = self.dispatcher.full_capture_keys() if on_cuda else []
-        if keys:
-            t0 = time.perf_counter()
-            if not (compile and on_cuda):
-                phase("capture CUDA graphs", f"full: {len(keys)} batch shapes")
-            self.full_graphs = FullCUDAGraphRunner(pool)
-            metas: dict = {}
+                def run_piece(t: int):
+                    meta = self.upload(self.dummy_inputs([t]))
+                    self.backend.prepare(meta)
+                    with forward_context(self.context(meta)):
+                        return self.piecewise(self.input_ids[:t][None], self.positions[:t][None],
+                                              self.logits_indices[:1])
 
-            def prepare_full(key):
-                b = key.num_tokens
-                lens = self.full_capture_query_lens(key, self.max_model_len)
-                metas[key] = meta = self.upload(self.dummy_inputs(lens), b, b)
-                self.backend.prepare(meta)
+                if on_cuda:
+                    phase("capture CUDA graphs", f"piecewise: {len(self.dispatcher.piecewise_sizes)} sizes, "
+                                                 f"full: {len(self.dispatcher.full_capture_keys())} batch shapes")
+                    self.piecewise.capture(self.dispatcher.piecewise_sizes, run_piece)
+                info["capture_s"] += time.perf_counter() - t0
+            keys = self.dispatcher.full_capture_keys() if on_cuda else []
+            if keys:
+                t0 = time.perf_counter()
+                if not (compile and on_cuda):
+                    phase("capture CUDA graphs", f"full: {len(keys)} batch shapes")
+                self.full_graphs = FullCUDAGraphRunner(pool)
+                metas: dict = {}
 
-            def run_full(key):
-                b = key.num_tokens
-                with forward_context(self.context(metas[key])):
-                    if self.piecewise is not None:
-                        with self.piecewise.graphs_disabled():
-                            return self.piecewise(self.input_ids[:b][None], self.positions[:b][None],
-                                                  self.decode_logits_indices[:b])
-                    return self.forward_2d(self.input_ids[:b][None], self.positions[:b][None],
-                                           self.decode_logits_indices[:b])
+                def prepare_full(key):
+                    b = key.num_tokens
+                    lens = self.full_capture_query_lens(key, self.max_model_len)
+                    metas[key] = meta = self.upload(self.dummy_inputs(lens), b, b)
+                    self.backend.prepare(meta)
 
-            self.full_graphs.capture(keys, run_full, prepare_fn=prepare_full, sort_key=lambda k: k.num_tokens)
-            info["capture_s"] += time.perf_counter() - t0
+                def run_full(key):
+                    b = key.num_tokens
+                    with forward_context(self.context(metas[key])):
+                        if self.piecewise is not None:
+                            with self.piecewise.graphs_disabled():
+                                return self.piecewise(self.input_ids[:b][None], self.positions[:b][None],
+                                                      self.decode_logits_indices[:b])
+                        return self.forward_2d(self.input_ids[:b][None], self.positions[:b][None],
+                                               self.decode_logits_indices[:b])
+
+                self.full_graphs.capture(keys, run_full, prepare_fn=prepare_full, sort_key=lambda k: k.num_tokens)
+                info["capture_s"] += time.perf_counter() - t0
+
+        try:
+            capture_graphs()
+        except Exception as exc:  # an op that cannot run inside a CUDA graph (a host sync, a data-dependent shape)
+            if tp is not None:  # the ranks must replay the same graphs; no quiet fallback on one rank
+                raise RuntimeError(
+                    f"hf_accel: CUDA graph capture failed on tensor-parallel rank {tp.rank} "
+                    f"({type(exc).__name__}: {exc}); pass cudagraph_mode='none' on every rank") from exc
+            self.drop_graphs(sizes)
+            info["capture_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            info["cudagraph_mode"] = self.dispatcher.mode.value
+            logger.warning("hf_accel: CUDA graph capture failed (%s: %s); continuing without CUDA graphs (%s)",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                           "compiled forward" if self.piecewise is not None else "eager forward")
         if on_cuda:
             torch.cuda.synchronize(self.device)
             info["graph_pool_bytes"] = max(0, torch.cuda.memory_reserved(self.device) - before)
         return info
+
+    def drop_graphs(self, sizes: list[int]) -> None:
+        """Forget every captured graph; each step then runs the compiled forward (or eager) as it is."""
+        from hf_accel.compilation.dispatcher import CUDAGraphDispatcher
+
+        if self.full_graphs is not None:
+            self.full_graphs.reset()
+        self.full_graphs = None
+        if self.piecewise is not None:
+            self.piecewise.drop_graphs()
+        self.dispatcher = CUDAGraphDispatcher("none", sizes, self.backend.cudagraph_support,
+                                              piecewise_available=self.piecewise is not None,
+                                              backend_name=self.backend.name)
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     @staticmethod
     def full_capture_query_lens(key, max_model_len: int) -> list[int]:
