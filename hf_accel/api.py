@@ -44,6 +44,7 @@ from hf_accel.engine.tensor_parallel import TensorParallel, tensor_parallel_of
 from hf_accel.generation import EngineGenerator, PreparedCall, eos_ids, stock_reason
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.patches import family_patch
+from hf_accel.patches.quantization import quantization_quirks
 from hf_accel.progress import StartupProgress
 from hf_accel.streams import AsyncWaker, GenerationStream, StockGenerationStream, run_async
 
@@ -195,6 +196,27 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     return wrapper
 
 
+def _apply_quantization_quirks(model, cfg: AccelConfig) -> str | None:
+    """Turn off what the model's quantized modules cannot take (patches/quantization.py), with one log line; returns
+    that line's message, or None when nothing was turned off. The caller's `cfg` is changed in place."""
+    off: list[str] = []
+    for quirk in quantization_quirks(model):
+        what = []
+        if cfg.compile and not quirk.compile:
+            cfg.compile = False
+            what.append("torch.compile")
+        if not quirk.cuda_graphs and CUDAGraphMode(cfg.cudagraph_mode or "none").value != "none":
+            cfg.cudagraph_mode = CUDAGraphMode.NONE
+            what.append("CUDA graphs")
+        if what:
+            off.append(f"{' and '.join(what)} off for {quirk.method}: {quirk.why}")
+    if not off:
+        return None
+    message = "; ".join(off)
+    logger.warning("hf_accel: %s", message)
+    return message
+
+
 def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **options) -> None:
     _check_supported(model)
     # keyword arguments the caller actually passed win over `config`
@@ -203,6 +225,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     cfg = (config or AccelConfig()).updated(**passed)
     device = _model_device(model)
     cfg = cfg.resolve_for(device)
+    quant_fallback = _apply_quantization_quirks(model, cfg)
     tp = tensor_parallel_of(model)
     spec = _attention_spec(model, tp)
     # select_s: the checks and the optional libraries they import (every candidate's when autotuning, the winner's
@@ -283,7 +306,8 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     state.startup.update({k: ci[k] for k in ("trace_s", "split_compile_s", "small_m_gemm_s") if k in ci})
     state.startup["phases"] = dict(progress.times)
     state.extra_info.update(graph_pool_bytes=ci.get("graph_pool_bytes", 0), compile_cache=ci.get("compile_cache"),
-                            effective_cudagraph_mode=ci.get("cudagraph_mode", "none"), backend_autotune=autotune_info)
+                            effective_cudagraph_mode=ci.get("cudagraph_mode", "none"), backend_autotune=autotune_info,
+                            quantization_fallback=quant_fallback)
     setattr(model, _STATE, state)
     model.generate = types.MethodType(_accelerated_generate, model)
     model.generate_batch = types.MethodType(_accelerated_generate_batch, model)
@@ -548,7 +572,9 @@ def engine_info(model) -> dict[str, Any]:
         "small_m_gemm": eng.compile_info.get("small_m_gemm"),
         "packed_linear_groups": state.packed_linears.groups if state.packed_linears is not None else 0,
         # what was turned off at startup and why (e.g. a quantized module that a CUDA graph cannot capture)
-        "fallbacks": {k: eng.compile_info[k] for k in ("compile_error", "capture_error") if k in eng.compile_info},
+        "fallbacks": {**{k: eng.compile_info[k] for k in ("compile_error", "capture_error") if k in eng.compile_info},
+                      **({"quantization": state.extra_info["quantization_fallback"]}
+                         if state.extra_info.get("quantization_fallback") else {})},
         "fused_ops": ({"norms": state.fused_ops.norms, "mlps": state.fused_ops.mlps}
                       if state.fused_ops is not None and state.fused_ops.modules else None),
         "config": {k: (v.value if hasattr(v, "value") else v) for k, v in vars(state.config).items()},

@@ -13,7 +13,7 @@ import pkgutil
 
 from hf_accel.patches.base import NORM_STYLES, FamilyPatch
 
-_NOT_FAMILIES = frozenset({"base"})
+_NOT_FAMILIES = frozenset({"base", "quantization"})
 
 
 def family_patch(model_type: str) -> FamilyPatch:

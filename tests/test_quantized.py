@@ -16,7 +16,6 @@ import torch
 from conftest import left_pad, make_llama
 
 from hf_accel import accelerate_model, engine_info, restore
-from hf_accel.api import engine_of
 from hf_accel.compilation.linear_packing import pack_sibling_linears
 
 torchao = pytest.importorskip("torchao")
@@ -78,8 +77,12 @@ def test_greedy_equals_stock_quantized(checkpoint, method, compile):
         accelerate_model(model, compile=compile)
         try:
             info = engine_info(model)
-            assert info["compile"] is compile
-            assert engine_of(model).compile_info.get("compile_error") is None  # compiled, not a silent fallback
+            if method == "bnb-int8":  # LLM.int8()'s outlier decomposition: compile and graphs off, said once
+                assert info["compile"] is False and info["cudagraph_mode"] == "none"
+                assert (not compile) or "torch.compile" in info["fallbacks"]["quantization"]
+            else:
+                assert info["compile"] is compile
+                assert not info["fallbacks"]  # compiled, not a silent fallback
             out = model.generate(ids, **kw)
             again = model.generate(ids, **kw)  # second call: the prefix cache serves the prompts' KV
             assert torch.equal(out, ref), method

@@ -1,0 +1,50 @@
+"""Quantization methods' quirks: quantized linear modules that torch.compile or CUDA graphs cannot take, and why.
+
+Matched by class name (and a per-module check), whatever the model's family. Every other quantized linear measured
+on the H200 (torchao int8 weight-only and float8 dynamic, bitsandbytes nf4) compiles and captures as it is; the
+linear-packing and small-M GEMM passes already leave quantized weights alone (`linear_packing.is_dense`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantizedLinearQuirk:
+    """What accelerate_model must turn off for a model holding such a module (`applies` says whether this one does)."""
+
+    method: str
+    compile: bool
+    cuda_graphs: bool
+    why: str
+    applies: Callable[[torch.nn.Module], bool] = lambda module: True
+
+
+def _has_outlier_threshold(module: torch.nn.Module) -> bool:
+    return float(getattr(getattr(module, "state", None), "threshold", 0.0) or 0.0) > 0.0
+
+
+QUIRKS: dict[str, QuantizedLinearQuirk] = {
+    # bitsandbytes 0.50 `MatMul8bitLt`: with an outlier threshold (the default 6.0) each call finds the activation
+    # columns above it (a data-dependent shape, read on the host). Dynamo recompiles the forward for new batches
+    # (seen on the H200: one ~30 s Inductor compile per recompile) and a CUDA graph capture fails on the host read.
+    "Linear8bitLt": QuantizedLinearQuirk(
+        method="bitsandbytes 8-bit (LLM.int8() outlier decomposition)", compile=False, cuda_graphs=False,
+        why="its outlier decomposition reads the activations on the host every call (data-dependent shapes): "
+            "Dynamo would recompile per batch and a CUDA graph cannot capture the read",
+        applies=_has_outlier_threshold),
+}
+
+
+def quantization_quirks(model: torch.nn.Module) -> list[QuantizedLinearQuirk]:
+    """The quirks of the quantized modules `model` holds, one per kind."""
+    found: dict[str, QuantizedLinearQuirk] = {}
+    for module in model.modules():
+        quirk = QUIRKS.get(type(module).__name__)
+        if quirk is not None and type(module).__name__ not in found and quirk.applies(module):
+            found[type(module).__name__] = quirk
+    return list(found.values())
