@@ -100,12 +100,19 @@ case "${1:-tests}" in
       --ignore=tests/test_gpu_quantized.py >"$OUT/rest.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/quant-tests.log" | cut -c1-220; tail -n 3 "$OUT/rest.log"
     cat "$OUT/fp32.jsonl" 2>/dev/null | cut -c1-400 ;;
-  quant)  # issue 16: llama-3.1-8b W1/W2 per quantization method beside stock quantized generate() (eager, static)
-    # (needs torchao and bitsandbytes: carry .gpu/extra, see ../shared/gpu/README.md)
-    for q in torchao-int8-weight-only torchao-float8-dynamic bnb-nf4 bnb-int8 fp8; do
-      timeout 280 hf-accel bench --workload w1,w2 --shape llama-3.1-8b --quantization "$q" --anchors eager,static \
-        --anchor-repeats 1 --anchor-warmup 0 --no-progress --json "$OUT/quant-$q.json" >"$OUT/quant-$q.log" 2>&1
-      echo "== $q"; grep -E "hf_accel  |stock|guard|INVALID" "$OUT/quant-$q.log" | cut -c1-160
+  quant)  # issue 16: llama-3.1-8b W1/W2 per quantization method beside stock quantized generate() (eager, static).
+    # One or two methods per call (`quant "bnb-nf4 torchao-float8-dynamic"`): a full 32-layer torchao int8 model
+    # took over 150 s to accelerate on 2026-12-01. Carry .gpu/extra (installed here, no staging call).
+    mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl >/dev/null 2>&1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    for q in ${2:-torchao-int8-weight-only}; do
+      # the startup phases (logger hf_accel, INFO) go to the log: where a slow accelerate spends its time
+      timeout 280 python3 -c "import logging, sys; logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s'); \
+sys.argv[0] = 'hf-accel'; from hf_accel.cli import main; sys.exit(main())" bench --workload w1,w2 \
+        --shape llama-3.1-8b --quantization "$q" --anchors eager,static --anchor-repeats 1 --anchor-warmup 0 \
+        --no-progress --json "$OUT/quant-$q.json" >"$OUT/quant-$q.log" 2>&1
+      echo "== $q"; grep -E "hf_accel  |stock|guard|INVALID|done in|accelerated" "$OUT/quant-$q.log" | cut -c1-160
     done ;;
   tp)  # issue 17, on a 2-GPU lease: llama-3.1-8b W1/W2 at TP 2 beside stock TP 2 generate(), then TP 1 for the ratio
     timeout 400 torchrun --nproc-per-node 2 -m hf_accel.bench --tensor-parallel --workload w1,w2 \
