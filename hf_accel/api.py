@@ -605,12 +605,13 @@ def _admit(model, counted_thread: bool) -> AccelState | None:
             raise RuntimeError(
                 "hf_accel: this tensor-parallel rank is out of step with the others since a call ended early on it "
                 f"({state.tp_out_of_step}); their collectives can no longer pair up, so the job must end")
-        if state.active_calls and state.engine.tp is not None:
+        driven = state.loop.driver is not None  # rank 0 serving a TP model: its loop keeps the ranks in step
+        if state.active_calls and state.engine.tp is not None and not driven:
             raise RuntimeError(
                 "hf_accel: a tensor-parallel model takes one call at a time per rank, made in the same order on "
                 "every rank (the collectives of each step pair up by order); this call came while another was "
                 "running on this rank")
-        if state.active_calls == 0:
+        if state.active_calls == 0 and not driven:  # (a served TP model is not changed while it is served)
             state.loop.wait_idle()  # the last call's step in flight, if any: at most one step
             if state.engine.sync_with_model():
                 state = _reaccelerate(model, state)
@@ -667,12 +668,14 @@ def _run_sync(model, state: AccelState, prepare: Callable[[AccelState], Prepared
     try:
         prepared = prepare(current)
         call = EngineCall(prepared.requests, wants_events=prepared.on_events is not None)
+        current.loop.submit(call)  # a refusal here ran nothing: every rank refuses the same call alike
         try:
-            current.loop.run_sync(call, prepared.on_events, prepared.before)
+            current.loop.run_sync(call, prepared.on_events, prepared.before, submitted=True)
         except BaseException as exc:
-            if getattr(current.engine, "tp", None) is not None:
+            if getattr(current.engine, "tp", None) is not None and current.loop.driver is None:
                 # the call ended on this rank at a step of its own (a streamer or callback that raised, Ctrl-C, a
-                # failed step): the other ranks may have run more steps, so no further call can pair up
+                # failed step): the other ranks may have run more steps, so no further call can pair up (a driven
+                # engine hands its aborts to the other ranks instead)
                 current.tp_out_of_step = f"{type(exc).__name__}: {exc}"
             raise
         return prepared.finish()
@@ -932,11 +935,77 @@ def agenerate_stream(self, inputs: torch.Tensor | None = None, generation_config
     return GenerationStream(state.loop, call, waker, on_close=lambda: _leave(self, state, False, tid))
 
 
+def lead_tensor_parallel(model) -> None:
+    """Rank 0 of an accelerated tensor-parallel model that is about to be served: from now on its engine hands every
+    step's schedule to the other ranks, which must call `follow_tensor_parallel(model)` (engine/tp_driver.py). Calls
+    may then come from any thread or task, at any time, and end at any time (`agenerate_stream`, aborts), as on one
+    GPU. What a plan cannot carry is refused: host callbacks that decide tokens or stops (logits processors,
+    stopping criteria, stop strings in generate(), max_time). The model must not change while it is led (nothing
+    checks its weights meanwhile). `stop_leading(model)` ends it. This is what `hf-accel serve` runs under torchrun."""
+    from hf_accel.engine.tp_driver import LeaderDriver
+
+    state = _state_of(model)
+    tp = state.engine.tp
+    if tp is None:
+        raise ValueError("lead_tensor_parallel(): the model is not tensor-parallel")
+    with _model_lock_record(model).rlock:
+        if state.active_calls:
+            raise RuntimeError("lead_tensor_parallel(): calls are running on this model")
+        state.loop.wait_idle()
+        if state.engine.sync_with_model():  # agreed with the other ranks, which run the same check in follow
+            raise RuntimeError("lead_tensor_parallel(): the model changed since it was accelerated; accelerate it "
+                               "again on every rank first")
+        state.loop.start_driving(LeaderDriver(tp))
+
+
+def stop_leading(model, timeout: float | None = None) -> bool:
+    """End `lead_tensor_parallel`: the calls running finish, then the other ranks' `follow_tensor_parallel`
+    returns. True once the engine thread has stopped (within `timeout` seconds, if given)."""
+    state = _state_of(model)
+    done = state.loop.stop_driving(timeout)
+    if done:
+        state.loop.driver = state.engine.driver = None
+    return done
+
+
+def follow_tensor_parallel(model) -> int:
+    """Every rank but 0 of a served tensor-parallel model: run rank 0's schedule, step by step, on this thread until
+    rank 0 stops leading (see `lead_tensor_parallel`). Returns the number of steps run; an error raises (and
+    torchrun then ends every rank)."""
+    from hf_accel.engine.tp_driver import follow
+
+    state = _state_of(model)
+    tp = state.engine.tp
+    if tp is None:
+        raise ValueError("follow_tensor_parallel(): the model is not tensor-parallel")
+    with _model_lock_record(model).rlock:
+        if state.active_calls:
+            raise RuntimeError("follow_tensor_parallel(): calls are running on this model")
+        state.loop.wait_idle()
+        if state.engine.sync_with_model():  # pairs with rank 0's check in lead_tensor_parallel
+            raise RuntimeError("follow_tensor_parallel(): the model changed since it was accelerated; accelerate "
+                               "it again on every rank first")
+        state.active_calls += 1  # no other call on this rank while it follows
+    try:
+        return follow(state.engine, tp)
+    finally:
+        with _model_lock_record(model).rlock:
+            state.active_calls -= 1
+            _model_lock_record(model).changed.notify_all()
+
+
+def _state_of(model) -> AccelState:
+    state: AccelState | None = base_model_of(model).__dict__.get(_STATE)
+    if state is None:
+        raise ValueError("model is not accelerated (call accelerate_model first)")
+    return state
+
+
 def _refuse_async_on_tensor_parallel(model, name: str) -> None:
     """A cancelled task, an abort or a stream left early lands between steps at a different step on each rank, so
     the ranks' collectives would stop pairing up: the async entry points are refused on tensor-parallel models."""
     state = base_model_of(model).__dict__.get(_STATE)
-    if state is not None and getattr(state.engine, "tp", None) is not None:
+    if state is not None and getattr(state.engine, "tp", None) is not None and state.loop.driver is None:
         raise NotImplementedError(
             f"{name}() is not supported on a tensor-parallel model: cancelling, aborting or leaving a stream early "
             "would end the call at a different step on each rank; use generate() or generate_batch(), the same "

@@ -179,8 +179,8 @@ class EngineGenerator:
     def _agreed(self, base_seed: int, do_sample: bool) -> int:
         """A sampling call's seed: rank 0's on every rank of a tensor-parallel model (engine/tensor_parallel.py)."""
         tp = getattr(self.engine, "tp", None)
-        if tp is None or not do_sample:
-            return base_seed
+        if tp is None or not do_sample or getattr(self.engine, "driver", None) is not None:
+            return base_seed  # (a driven engine's requests carry rank 0's seeds to the other ranks)
         return tp.broadcast_int(base_seed)
 
     # -- generate() --------------------------------------------------------------------------------------------

@@ -561,3 +561,70 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(ckpt, stock):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_serves_a_tensor_parallel_model_under_torchrun(ckpt, stock):
+    """`torchrun --nproc-per-node 2 -m hf_accel.cli serve`: rank 0 answers HTTP and drives, rank 1 follows its
+    schedule step by step (gloo on CPU). Concurrent requests, a stop string and a stream all give stock's text; on
+    SIGTERM rank 0 shuts down and rank 1 returns once told."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    port = free_port()
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_ACCEL_BACKGROUND_BUILDS": "0",
+           "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                             "-m", "hf_accel.cli", "serve", str(ckpt), "--port", str(port),
+                             "--served-model-name", NAME, "--max-num-seqs", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                            start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.stdout.read()
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            return False
+
+        wait_until(healthy, timeout=90, what="the tensor-parallel server to come up")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        prompts = ["hello world", "The quick brown fox", "Once upon a time", "A café in Zürich"]
+
+        def one(prompt: str) -> str:
+            return client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, prompts))
+        assert got == [reference(stock, prompt_ids(stock.tok, p), 12)[0] for p in prompts]
+        ref_text = reference(stock, prompt_ids(stock.tok, "hello world"), 24)[0]
+        stream = client.completions.create(model=NAME, prompt="hello world", max_tokens=24, temperature=0,
+                                           stream=True)
+        assert "".join(c.choices[0].text for c in stream) == ref_text
+        if len(ref_text) > 4:  # a stop string: the server aborts the stream, the abort reaches rank 1's plan
+            stop = ref_text[2:4]
+            r = client.completions.create(model=NAME, prompt="hello world", max_tokens=24, temperature=0, stop=[stop])
+            assert r.choices[0].text == ref_text[: ref_text.index(stop)]
+        assert one("hello world") == reference(stock, prompt_ids(stock.tok, "hello world"), 12)[0]
+        os.kill(_rank_pid(proc.pid, 0), signal.SIGTERM)  # what stops a server; torchrun then sees both ranks end
+        assert proc.wait(timeout=60) == 0
+        out = proc.stdout.read()
+        assert "rank 0 stopped serving after" in out, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker of `rank` (Linux: its children's environments)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == torchrun_pid and f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+    raise AssertionError(f"no worker of rank {rank} under torchrun (pid {torchrun_pid})")

@@ -216,3 +216,40 @@ def test_bench_runs_tensor_parallel(tmp_path):
     report = json.loads(out.read_text())
     assert report["valid"] and report["guard"]["passed"]
     assert report["accel"]["engine_info"]["tensor_parallel"]["size"] == 2
+
+
+@pytest.fixture(scope="module")
+def led(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_lead")
+    proc = _torchrun("lead", out, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_led_streams_started_at_different_steps_equal_stock(led):
+    """Rank 0 drives (what `hf-accel serve` does under torchrun): streams that join the running batch at other
+    steps, a sync generate() from a thread meanwhile, all equal to stock generate() of the unsharded model."""
+    leader = led[0]
+    ref = leader["reference"]
+    (s0, r0), (s1, r1), (s2, r2), (s3, r3) = leader["streams"]
+    assert (s0, r0) == (ref[0], "length")
+    assert (s2, r2) == (ref[2], "length")
+    assert (s3, r3) == (ref[0], "length")
+    assert leader["sync_generate"] == ref[1]
+    # the aborted stream: a prefix of the reference, ended by the abort
+    assert r1 == "abort" and 3 <= len(s1) < 12 and s1 == ref[1][: len(s1)]
+
+
+def test_led_follower_ran_every_step_and_freed_every_block(led):
+    leader, follower = led
+    assert follower["follower_steps"] == leader["leader_steps"] > 0
+    assert follower["follower_free_blocks"] == leader["leader_free_blocks"]
+    # after stop_leading, plain calls on every rank pair up again
+    assert leader["after_stop"] == follower["after_stop"] == leader["reference"][2]
+
+
+def test_led_sampling_is_seeded_and_host_callbacks_are_refused(led):
+    leader = led[0]
+    first, second = leader["sampled"]
+    assert first == second and len(first) == 4 + 8
+    assert leader["criteria"].startswith("NotImplementedError") and "rank 0" in leader["criteria"]

@@ -201,12 +201,100 @@ def fault(mode: str) -> None:
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=50, do_sample=False)
 
 
+def lead(out_dir: str) -> None:
+    """Rank 0 drives (`lead_tensor_parallel`), rank 1 follows: concurrent streams that start at different steps,
+    one aborted mid-way, a sync generate() from a thread, seeded sampling twice, a refused stopping criterion."""
+    import asyncio
+    import threading
+
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    from hf_accel import accelerate_model
+    from hf_accel.api import engine_of, follow_tensor_parallel, lead_tensor_parallel, stop_leading
+
+    rank = dist.get_rank()
+    holder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    path = _save("llama", holder[0])
+    record: dict = {}
+    if rank == 0:
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        record["reference"] = [ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                            pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    accelerate_model(model)
+    if rank != 0:
+        follow_tensor_parallel(model)
+        record["follower_steps"] = engine_of(model).stats.steps
+        record["follower_free_blocks"] = engine_of(model).block_manager.num_free_blocks
+    else:
+        lead_tensor_parallel(model)
+
+        async def stream(prompt, delay, abort_after=None):
+            await asyncio.sleep(delay)
+            s = model.agenerate_stream(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)
+            toks, reason = [], None
+            async for delta in s:
+                toks += delta.token_ids
+                reason = delta.finish_reason or reason
+                if abort_after is not None and len(toks) >= abort_after and reason is None:
+                    s.abort()
+            return toks, reason
+
+        def sync_call(box):
+            p = PROMPTS[1]
+            box.append(model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(p):].tolist())
+
+        async def scenario():
+            box: list = []
+            thread = threading.Thread(target=sync_call, args=(box,))
+            thread.start()
+            got = await asyncio.gather(stream(PROMPTS[0], 0.0), stream(PROMPTS[1], 0.05, abort_after=3),
+                                       stream(PROMPTS[2], 0.2), stream(PROMPTS[0], 0.3))
+            thread.join()
+            sampled = [await model.agenerate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=True,
+                                             temperature=1.0, top_k=0, seed=123, eos_token_id=None, pad_token_id=0)
+                       for _ in range(2)]
+            return got, box, [s[0].tolist() for s in sampled]
+
+        got, box, sampled = asyncio.run(scenario())
+        record["streams"] = got
+        record["sync_generate"] = box[0]
+        record["sampled"] = sampled
+
+        class Never(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        try:
+            model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4,
+                           stopping_criteria=StoppingCriteriaList([Never()]))
+            record["criteria"] = "ran"
+        except NotImplementedError as exc:
+            record["criteria"] = f"NotImplementedError: {exc}"
+        record["leader_steps"] = engine_of(model).stats.steps
+        assert stop_leading(model, timeout=60)
+        record["leader_free_blocks"] = engine_of(model).block_manager.num_free_blocks
+        record["after_stop"] = model.generate(torch.tensor([PROMPTS[2]]), max_new_tokens=12, do_sample=False,
+                                              eos_token_id=None, pad_token_id=0)[0, len(PROMPTS[2]):].tolist()
+    if rank != 0:  # rank 0's plain generate() after stop_leading pairs with this one (same call on every rank)
+        p = PROMPTS[2]
+        record["after_stop"] = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     if mode == "check":
         check(out)
+    elif mode == "lead":
+        lead(out)
     else:
         fault(mode)
     dist.destroy_process_group()

@@ -24,6 +24,7 @@ from hf_accel.engine.runner import ModelRunner, engine_forward
 from hf_accel.engine.sampler import Sampler
 from hf_accel.engine.scheduler import Scheduler
 from hf_accel.engine.tensor_parallel import TensorParallel, local_heads, tensor_parallel_of
+from hf_accel.engine.tp_driver import LeaderDriver
 from hf_accel.ops import pdl
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class LLMEngine:
         self.cfg = cfg
         self.device = next(model.parameters()).device
         self.tp = tensor_parallel_of(model)  # None unless transformers sharded the model (tp_plan under torchrun)
+        # rank 0 of a tensor-parallel model being served: hands its schedule to the other ranks (engine/tp_driver.py)
+        self.driver: LeaderDriver | None = None
         self.shape = ModelShape.from_config(model.config, self.tp)
         if backend_cls.kv_layout != KVLayout.NHD:
             layout = getattr(backend_cls.kv_layout, "value", backend_cls.kv_layout)
@@ -252,12 +255,16 @@ class LLMEngine:
 
     def add_request(self, req: Request) -> None:
         self.check_request(req)
+        if self.driver is not None:  # rank 0 of a driven tensor-parallel engine: the other ranks add it too
+            self.driver.record_add(req)
         self.scheduler.add(req)
 
     def abort_request(self, req: Request) -> None:
         """Drop a request that has not finished: out of the queues, its blocks freed. A token of it still in flight
         is dropped when read back."""
         if not req.is_finished:
+            if self.driver is not None:
+                self.driver.record_abort(req)
             self.scheduler.abort(req)
 
     @property

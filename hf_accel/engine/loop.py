@@ -33,9 +33,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_accel.engine.request import Request
+from hf_accel.engine.tp_driver import HEARTBEAT_S
 
 if TYPE_CHECKING:
     from hf_accel.engine.engine import LLMEngine
+    from hf_accel.engine.tp_driver import LeaderDriver
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,10 @@ class EngineLoop:
         self._known: dict[int, EngineCall] = {}
         self._aborts: list[tuple[EngineCall, Request | None, BaseException | None]] = []
         self._thread: threading.Thread | None = None
+        # rank 0 of a served tensor-parallel model (engine/tp_driver.py): its engine thread runs until
+        # stop_driving(), handing each step's schedule to the other ranks; `_work` wakes it when idle
+        self.driver: LeaderDriver | None = None
+        self._work = threading.Event()
         # engine thread only
         self._calls: dict[int, EngineCall] = {}  # id(call) -> call
         self._owner: dict[int, tuple[EngineCall, int]] = {}  # id(request) -> (its call, its index there)
@@ -142,9 +148,18 @@ class EngineLoop:
         never fit the KV cache or has an empty prompt."""
         for req in call.requests:
             self.engine.check_request(req)
+        if self.driver is not None:
+            from hf_accel.engine.tp_driver import unsupported_reason
+
+            reasons = [r for r in map(unsupported_reason, call.requests) if r is not None]
+            if reasons:
+                raise NotImplementedError(reasons[0])
         with self._lock:
+            if self.driver is not None and self.driver.stopping:
+                raise RuntimeError("hf_accel: the tensor-parallel engine is shutting down")
             self._known[id(call)] = call
             self._incoming.append(call)
+            self._work.set()
             try:
                 self._ensure_thread()
             except BaseException:
@@ -172,13 +187,15 @@ class EngineLoop:
                 call._finish(error)
                 return
             self._aborts.append((call, request, error))
+            self._work.set()
 
     def run_sync(self, call: EngineCall, on_events: Callable[[list[CallEvent]], None] | None = None,
-                 before: Callable[[], None] | None = None) -> None:
-        """Submit `call` and wait for it on this thread (`before` runs once it is accepted: a streamer's prompt).
-        Anything raised meanwhile (by `before` or `on_events`, a KeyboardInterrupt) aborts the call, waits until its
-        blocks are freed, and re-raises."""
-        self.submit(call)
+                 before: Callable[[], None] | None = None, *, submitted: bool = False) -> None:
+        """Submit `call` (unless `submitted`) and wait for it on this thread (`before` runs once it is accepted: a
+        streamer's prompt). Anything raised meanwhile (by `before` or `on_events`, a KeyboardInterrupt) aborts the
+        call, waits until its blocks are freed, and re-raises."""
+        if not submitted:
+            self.submit(call)
         try:
             if before is not None:
                 before()
@@ -200,6 +217,25 @@ class EngineLoop:
                 self._ensure_thread()
                 return
         call._finish(RuntimeError("internal error: the engine loop lost this call"))
+
+    def start_driving(self, driver: LeaderDriver) -> None:
+        """Rank 0 of a served tensor-parallel model: from now on the engine thread runs until `stop_driving()` and
+        hands every step's schedule to the other ranks (which run `tp_driver.follow`)."""
+        with self._lock:
+            if self._running() or self._known:
+                raise RuntimeError("start_driving() needs an idle engine loop")
+            self.driver = driver
+            self.engine.driver = driver
+            self._ensure_thread()
+
+    def stop_driving(self, timeout: float | None = None) -> bool:
+        """Finish what runs, tell the other ranks to return, and let the engine thread exit. True once it has."""
+        with self._lock:
+            if self.driver is None:
+                return True
+            self.driver.stopping = True
+            self._work.set()
+        return self.wait_idle(timeout)
 
     @property
     def on_engine_thread(self) -> bool:
@@ -231,6 +267,8 @@ class EngineLoop:
                     pass
         except BaseException as exc:  # noqa: BLE001 - never leave a caller waiting, whatever went wrong
             self._fail_everything(exc)
+            if self.driver is not None:  # the other ranks cannot be kept in step: the job ends
+                self.driver.fatal(exc)
         finally:
             self._exit()
 
@@ -242,22 +280,37 @@ class EngineLoop:
                 return False  # an orphan (its start was cut short): the thread `_thread` names does the work
             incoming, self._incoming = self._incoming, []
             aborts, self._aborts = self._aborts, []
-            if not incoming and not aborts and not self._calls and not eng.is_busy:
+            idle = not incoming and not aborts and not self._calls and not eng.is_busy
+            driver = self.driver
+            if idle and (driver is None or driver.stopping):
+                if driver is not None:  # under the lock: no call can be admitted after the followers returned
+                    driver.send_stop()
                 self._thread = None  # under the lock: a submit from now on starts a new thread
                 self._idle.notify_all()
                 return False
+            self._work.clear()
+        if idle:  # rank 0 driving, nothing to run: wait for work; meanwhile an empty plan keeps the others alive
+            if not self._work.wait(HEARTBEAT_S):
+                driver.send(step=False)
+            return True
         for call, request, error in aborts:
             self._abort(call, request, error)
         for call in incoming:
             self._admit(call)
         if not self._calls and not eng.is_busy:
+            if driver is not None:
+                driver.send(step=False)  # what changed (aborts, a failed admission) still reaches the others
             return True  # only aborts of calls already over: look again
         eng.allow_async = eng.cfg.async_scheduling and self._unsafe_calls == 0
         self.peak_calls = max(self.peak_calls, len(self._calls))
         self.shared_steps += len(self._calls) > 1
+        if driver is not None:
+            driver.send(step=True, allow_async=eng.allow_async)
         try:
             emitted = eng.step()
         except BaseException as exc:  # noqa: BLE001 - a step failure is every live call's: fail them, reset the engine
+            if driver is not None:
+                raise  # _main: every call fails, then the job ends (the other ranks cannot follow a reset)
             self._fail_calls(exc)
             eng.recover()
             return True

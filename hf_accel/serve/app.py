@@ -287,6 +287,12 @@ class _Sampling:
     stop: list[str]
 
 
+def _is_led(model: Any) -> bool:
+    from hf_accel.api import engine_of
+
+    return engine_of(model).driver is not None
+
+
 class _Server:
     """Everything the endpoints share: the model, its tokenizer, the limits, and the generations in flight."""
 
@@ -301,10 +307,10 @@ class _Server:
             tensor_parallel = engine_info(model).get("tensor_parallel")
         except ValueError:  # a stand-in model (tests) or one restored meanwhile: its calls say so themselves
             tensor_parallel = None
-        if tensor_parallel:
+        if tensor_parallel and not _is_led(model):
             raise NotImplementedError(
-                "hf-accel serve does not serve a tensor-parallel model yet: its ranks must run the same calls in the "
-                "same order, which needs rank 0 to hand its schedule to the others (README, Tensor parallel)")
+                "a tensor-parallel model is served from rank 0 only, after hf_accel.api.lead_tensor_parallel(model) "
+                "(the other ranks run follow_tensor_parallel(model)); `hf-accel serve` under torchrun does both")
         self.model = model
         self.tokenizer = tokenizer
         self.name = served_model_name

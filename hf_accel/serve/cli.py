@@ -54,13 +54,23 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     name = args.dtype or ("bfloat16" if device.startswith("cuda") else "auto")
     dtype = name if name == "auto" else getattr(torch, name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    if tensor_parallel_size() > 1:  # under torchrun: transformers shards the model over the ranks
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, tp_plan="auto").eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     accelerate_model(model, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                      block_size=args.block_size, cudagraph_mode=args.cudagraph_mode,
                      compile=False if args.no_compile else None)
     return model, tokenizer
+
+
+def tensor_parallel_size() -> int:
+    """The number of ranks torchrun started this command on (1 outside torchrun)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def _configure_logging(level: str) -> None:
@@ -130,10 +140,40 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, NotImplementedError) as exc:  # no such checkpoint, a model we cannot accelerate
         print(f"hf-accel serve: cannot serve {args.model}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    if tensor_parallel_size() > 1:
+        return _run_tensor_parallel(args, model, tokenizer)
     app = build_app(model, tokenizer, args.served_model_name or args.model,
                     max_queued_requests=args.max_queued_requests)
     logger.info("serving %s on http://%s:%d/v1", args.served_model_name or args.model, args.host, args.port)
     serve_app(app, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
+def _run_tensor_parallel(args: argparse.Namespace, model: Any, tokenizer: Any) -> int:
+    """Under torchrun: rank 0 answers HTTP and drives the engine; every other rank follows its schedule step by
+    step (engine/tp_driver.py) and returns once rank 0 has shut down."""
+    import torch.distributed as dist
+
+    from hf_accel.api import follow_tensor_parallel, lead_tensor_parallel, stop_leading
+    from hf_accel.serve.app import build_app
+
+    rank = dist.get_rank()
+    if rank != 0:
+        # a signal torchrun forwards to every rank must not end a follower before rank 0 has told it to stop
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        steps = follow_tensor_parallel(model)
+        logger.info("rank %d: rank 0 stopped serving after %d steps", rank, steps)
+        return 0
+    lead_tensor_parallel(model)
+    try:
+        app = build_app(model, tokenizer, args.served_model_name or args.model,
+                        max_queued_requests=args.max_queued_requests)
+        logger.info("serving %s on http://%s:%d/v1 (tensor parallel over %d ranks)",
+                    args.served_model_name or args.model, args.host, args.port, dist.get_world_size())
+        serve_app(app, args.host, args.port, log_level=args.log_level)
+    finally:
+        stop_leading(model)
     return 0
 
 
