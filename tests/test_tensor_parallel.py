@@ -253,3 +253,14 @@ def test_led_sampling_is_seeded_and_host_callbacks_are_refused(led):
     first, second = leader["sampled"]
     assert first == second and len(first) == 4 + 8
     assert leader["criteria"].startswith("NotImplementedError") and "rank 0" in leader["criteria"]
+
+
+def test_a_failing_follower_ends_a_led_job(tmp_path):
+    """A step that raises on a following rank: that rank ends, rank 0's next plan or step fails, and rank 0's process
+    ends too (no hang, no call returning as if all were well)."""
+    t0 = time.monotonic()
+    proc = _torchrun("lead_fault", tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert "injected step failure on follower rank 1" in proc.stderr
+    assert not (tmp_path / "rank0-finished").exists()
+    assert time.monotonic() - t0 < 200

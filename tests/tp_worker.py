@@ -287,6 +287,38 @@ def lead(out_dir: str) -> None:
         json.dump(record, f)
 
 
+def lead_fault(out_dir: str) -> None:
+    """Rank 1 follows and its third step raises: rank 0, mid-call, must end (not hang) and the job with it."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel import accelerate_model
+    from hf_accel.api import engine_of, follow_tensor_parallel, lead_tensor_parallel
+
+    rank = dist.get_rank()
+    holder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    path = _save("llama", holder[0])
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    accelerate_model(model)
+    if rank == 1:
+        engine = engine_of(model)
+        step, calls = engine.step, [0]
+
+        def failing_step():
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected step failure on follower rank 1")
+            return step()
+
+        engine.step = failing_step
+        follow_tensor_parallel(model)
+        return
+    lead_tensor_parallel(model)
+    model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with open(os.path.join(out_dir, "rank0-finished"), "w") as f:  # must not be reached
+        f.write("the call returned although rank 1 had failed")
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if not dist.is_initialized():
@@ -295,6 +327,8 @@ if __name__ == "__main__":
         check(out)
     elif mode == "lead":
         lead(out)
+    elif mode == "lead_fault":
+        lead_fault(out)
     else:
         fault(mode)
     dist.destroy_process_group()
