@@ -469,7 +469,8 @@ def restore(model):
     """Undo accelerate_model(): stock generate, the original attention implementation, the engine freed.
 
     Waits for the calls running in other threads (and async streams) to finish first; calls that arrive meanwhile
-    wait too, then run stock. Called from inside a running call (its streamer, logits processor or stopping
+    wait too, then run stock. On rank 0 of a led tensor-parallel model it stops leading first (the other ranks'
+    `follow_tensor_parallel` returns). Called from inside a running call (its streamer, logits processor or stopping
     criterion) it raises, since that call could not finish.
     """
     wrapper, model = model, base_model_of(model)
@@ -494,6 +495,9 @@ def restore(model):
             state.closing = False
             record.changed.notify_all()
             raise
+        if state.loop.driver is not None:  # a led TP model: the other ranks are told to stop following first
+            state.loop.stop_driving()
+            state.loop.driver = state.engine.driver = None
         state.loop.wait_idle()
         _restore_locked(model, state)
         record.changed.notify_all()
