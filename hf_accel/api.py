@@ -94,6 +94,9 @@ class AccelState:
     loop: EngineLoop | None = None
     active_calls: int = 0  # calls admitted and not yet over (any thread, sync or async)
     tp_out_of_step: str | None = None  # tensor parallel: why this rank can no longer pair steps with the others
+    following: bool = False  # tensor parallel: this rank runs rank 0's schedule (follow_tensor_parallel)
+    stopping_lead: bool = False  # rank 0's stop_leading() waits for the calls admitted while led
+    plan_group: Any = None  # tensor parallel: the CPU (gloo) group rank 0's step plans travel on
     closing: bool = False  # restore() is waiting for the active calls: new calls wait, then run stock
     running_threads: dict[int, int] = field(default_factory=dict)  # thread id -> sync calls it is waiting in
     async_threads: dict[int, int] = field(default_factory=dict)  # thread id -> async calls open on its event loop
@@ -609,7 +612,12 @@ def _admit(model, counted_thread: bool) -> AccelState | None:
             raise RuntimeError(
                 "hf_accel: this tensor-parallel rank is out of step with the others since a call ended early on it "
                 f"({state.tp_out_of_step}); their collectives can no longer pair up, so the job must end")
+        if state.following:
+            raise RuntimeError("hf_accel: this tensor-parallel rank is following rank 0's schedule "
+                               "(follow_tensor_parallel); it takes no calls of its own until rank 0 stops leading")
         driven = state.loop.driver is not None  # rank 0 serving a TP model: its loop keeps the ranks in step
+        if driven and state.stopping_lead:
+            raise RuntimeError("hf_accel: the tensor-parallel model is stopping leading (stop_leading)")
         if state.active_calls and state.engine.tp is not None and not driven:
             raise RuntimeError(
                 "hf_accel: a tensor-parallel model takes one call at a time per rank, made in the same order on "
@@ -672,11 +680,12 @@ def _run_sync(model, state: AccelState, prepare: Callable[[AccelState], Prepared
     try:
         prepared = prepare(current)
         call = EngineCall(prepared.requests, wants_events=prepared.on_events is not None)
+        driven = current.loop.driver is not None
         current.loop.submit(call)  # a refusal here ran nothing: every rank refuses the same call alike
         try:
             current.loop.run_sync(call, prepared.on_events, prepared.before, submitted=True)
         except BaseException as exc:
-            if getattr(current.engine, "tp", None) is not None and current.loop.driver is None:
+            if getattr(current.engine, "tp", None) is not None and not driven:
                 # the call ended on this rank at a step of its own (a streamer or callback that raised, Ctrl-C, a
                 # failed step): the other ranks may have run more steps, so no further call can pair up (a driven
                 # engine hands its aborts to the other ranks instead)
@@ -691,6 +700,12 @@ _STOCK = object()  # _run_sync's answer when the call must run stock generate()
 
 
 def _warn_stock(state: AccelState | None, reason: str) -> None:
+    if state is not None and (state.following or state.loop.driver is not None):
+        # stock generate() would run the sharded forward's collectives on this thread, between the plans and steps
+        # the ranks exchange: they would pair with the wrong partners and the job would hang
+        raise NotImplementedError(f"hf_accel does not accelerate {reason}, and stock generate() cannot run on a "
+                                  "tensor-parallel rank that leads or follows (its collectives would interleave "
+                                  "with the ranks' step plans)")
     if state is None or reason not in state.warned:
         if state is not None:
             state.warned.add(reason)
@@ -941,61 +956,84 @@ def agenerate_stream(self, inputs: torch.Tensor | None = None, generation_config
 
 def lead_tensor_parallel(model) -> None:
     """Rank 0 of an accelerated tensor-parallel model that is about to be served: from now on its engine hands every
-    step's schedule to the other ranks, which must call `follow_tensor_parallel(model)` (engine/tp_driver.py). Calls
-    may then come from any thread or task, at any time, and end at any time (`agenerate_stream`, aborts), as on one
-    GPU. What a plan cannot carry is refused: host callbacks that decide tokens or stops (logits processors,
-    stopping criteria, stop strings in generate(), max_time). The model must not change while it is led (nothing
-    checks its weights meanwhile). `stop_leading(model)` ends it. This is what `hf-accel serve` runs under torchrun."""
+    step's schedule to the other ranks, which must call `follow_tensor_parallel(model)` at the same time
+    (engine/tp_driver.py). Calls may then come from any thread or task, at any time, and end at any time
+    (`agenerate_stream`, aborts), as on one GPU. What a plan cannot carry is refused: host callbacks that decide
+    tokens or stops (logits processors, stopping criteria, stop strings in generate(), max_time), and calls that would
+    run stock generate(). The model must not change while it is led (nothing checks its weights meanwhile), and no
+    other code may run its forward. `stop_leading(model)` ends it. This is what `hf-accel serve` runs under torchrun.
+    """
     from hf_accel.engine.tp_driver import LeaderDriver
 
-    state = _state_of(model)
-    tp = state.engine.tp
-    if tp is None:
-        raise ValueError("lead_tensor_parallel(): the model is not tensor-parallel")
-    with _model_lock_record(model).rlock:
-        if state.active_calls:
-            raise RuntimeError("lead_tensor_parallel(): calls are running on this model")
-        state.loop.wait_idle()
-        if state.engine.sync_with_model():  # agreed with the other ranks, which run the same check in follow
-            raise RuntimeError("lead_tensor_parallel(): the model changed since it was accelerated; accelerate it "
-                               "again on every rank first")
-        state.loop.start_driving(LeaderDriver(tp))
+    state, plans = _tensor_parallel_role(model, "lead_tensor_parallel", leader=True)
+    state.loop.start_driving(LeaderDriver(plans))
 
 
 def stop_leading(model, timeout: float | None = None) -> bool:
-    """End `lead_tensor_parallel`: the calls running finish, then the other ranks' `follow_tensor_parallel`
-    returns. True once the engine thread has stopped (within `timeout` seconds, if given)."""
+    """End `lead_tensor_parallel`: new calls are refused, the calls running finish (streams must be closed), then
+    the other ranks' `follow_tensor_parallel` returns. True once it has; False if the calls did not finish within
+    `timeout` seconds (the model then stays led)."""
     state = _state_of(model)
-    done = state.loop.stop_driving(timeout)
-    if done:
-        state.loop.driver = state.engine.driver = None
-    return done
+    record = _model_lock_record(model)
+    with record.rlock:
+        if state.loop.driver is None:
+            return True
+        state.stopping_lead = True
+        try:
+            if not record.changed.wait_for(lambda: state.active_calls == 0, timeout):
+                return False
+            # no call is between its admission and its submit now: none can reach a loop that no longer drives
+            done = state.loop.stop_driving(timeout)
+            if done:
+                state.loop.driver = state.engine.driver = None
+            return done
+        finally:
+            state.stopping_lead = False
 
 
 def follow_tensor_parallel(model) -> int:
     """Every rank but 0 of a served tensor-parallel model: run rank 0's schedule, step by step, on this thread until
-    rank 0 stops leading (see `lead_tensor_parallel`). Returns the number of steps run; an error raises (and
-    torchrun then ends every rank)."""
+    rank 0 stops leading (see `lead_tensor_parallel`). Returns the number of forward steps run; an error raises (and
+    torchrun then ends every rank). Other calls on this rank are refused meanwhile."""
     from hf_accel.engine.tp_driver import follow
+
+    state, plans = _tensor_parallel_role(model, "follow_tensor_parallel", leader=False)
+    try:
+        return follow(state.engine, plans)
+    finally:
+        with _model_lock_record(model).rlock:
+            state.following = False
+            _model_lock_record(model).changed.notify_all()
+
+
+def _tensor_parallel_role(model, name: str, *, leader: bool) -> tuple[AccelState, TensorParallel]:
+    """Checks (before any collective) and the agreed start of leading or following: the model unchanged on every
+    rank, and the CPU group the plans travel on (gloo: a plan never waits for the GPU's queued work)."""
+    import torch.distributed as dist
 
     state = _state_of(model)
     tp = state.engine.tp
     if tp is None:
-        raise ValueError("follow_tensor_parallel(): the model is not tensor-parallel")
+        raise ValueError(f"{name}(): the model is not tensor-parallel")
+    if leader != (tp.rank == 0):
+        raise ValueError(f"{name}(): rank 0 leads and the other ranks follow (this is rank {tp.rank})")
+    if state.tp_out_of_step is not None:
+        raise RuntimeError(f"{name}(): this rank is out of step with the others ({state.tp_out_of_step})")
     with _model_lock_record(model).rlock:
+        if state.loop.driver is not None or state.following:
+            raise RuntimeError(f"{name}(): this rank already leads or follows")
         if state.active_calls:
-            raise RuntimeError("follow_tensor_parallel(): calls are running on this model")
+            raise RuntimeError(f"{name}(): calls are running on this model")
         state.loop.wait_idle()
-        if state.engine.sync_with_model():  # pairs with rank 0's check in lead_tensor_parallel
-            raise RuntimeError("follow_tensor_parallel(): the model changed since it was accelerated; accelerate "
-                               "it again on every rank first")
-        state.active_calls += 1  # no other call on this rank while it follows
-    try:
-        return follow(state.engine, tp)
-    finally:
-        with _model_lock_record(model).rlock:
-            state.active_calls -= 1
-            _model_lock_record(model).changed.notify_all()
+        if state.plan_group is None:  # created by the group's ranks alone, in the same order (lead pairs follow)
+            state.plan_group = dist.new_group(dist.get_process_group_ranks(tp.group), backend="gloo",
+                                              use_local_synchronization=True)
+        if state.engine.sync_with_model():  # agreed with the other ranks, which run the same check
+            raise RuntimeError(f"{name}(): the model changed since it was accelerated; accelerate it again on every "
+                               "rank first")
+        if not leader:
+            state.following = True
+    return state, TensorParallel(size=tp.size, rank=tp.rank, group=state.plan_group, device=torch.device("cpu"))
 
 
 def _state_of(model) -> AccelState:

@@ -168,3 +168,30 @@ def stock_processors(sp: SamplingParams, prompt_len: int = 0, eos: tuple[int, ..
         if sp.min_p:
             procs.append(MinPLogitsWarper(sp.min_p))
     return procs
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (Linux /proc): torchrun starts its workers in sessions of their own,
+    so killing torchrun's process group would leave them running."""
+    import os
+    import signal
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    todo, found = [pid], []
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    for p in reversed(found):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass

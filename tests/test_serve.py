@@ -31,6 +31,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import kill_process_tree  # noqa: E402
 from serve_fixtures import ScriptedModel, free_port, make_tokenizer, save_checkpoint  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -614,7 +615,7 @@ def test_cli_serves_a_tensor_parallel_model_under_torchrun(ckpt, stock):
         assert "Traceback" not in out, out[-3000:]
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_process_tree(proc.pid)
             proc.wait()
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import kill_process_tree
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -49,7 +49,7 @@ def _torchrun(mode: str, out: Path, timeout: float) -> subprocess.CompletedProce
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_process_tree(proc.pid)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"torchrun {mode} did not finish in {timeout} s:\n{stderr[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
@@ -264,3 +264,16 @@ def test_a_failing_follower_ends_a_led_job(tmp_path):
     assert "injected step failure on follower rank 1" in proc.stderr
     assert not (tmp_path / "rank0-finished").exists()
     assert time.monotonic() - t0 < 200
+
+
+def test_led_and_following_ranks_refuse_what_would_break_the_pairing(led):
+    """Stock generate() on a led rank would run collectives between the plans; a second lead or a follow on rank 0
+    makes no sense; a call on a following rank would step its engine alone: all refused, with the reason."""
+    leader, follower = led
+    refused = leader["refusals"]
+    stock = refused["stock_fallback"]
+    assert stock.startswith("NotImplementedError") and "tensor-parallel" in stock
+    assert refused["lead_again"].startswith("RuntimeError") and "already leads" in refused["lead_again"]
+    assert refused["follow_on_rank_0"].startswith("ValueError") and "rank 0 leads" in refused["follow_on_rank_0"]
+    side_call = follower["call_while_following"]
+    assert side_call.startswith("RuntimeError") and "following" in side_call

@@ -224,7 +224,22 @@ def lead(out_dir: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     accelerate_model(model)
     if rank != 0:
+        def call_while_following(box):
+            import time
+
+            time.sleep(0.5)
+            try:
+                model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=2, do_sample=False)
+                box.append("ran")
+            except RuntimeError as exc:
+                box.append(f"RuntimeError: {exc}")
+
+        box: list = []
+        side = threading.Thread(target=call_while_following, args=(box,))
+        side.start()
         follow_tensor_parallel(model)
+        side.join()
+        record["call_while_following"] = box[0]
         record["follower_steps"] = engine_of(model).stats.steps
         record["follower_free_blocks"] = engine_of(model).block_manager.num_free_blocks
     else:
@@ -274,6 +289,19 @@ def lead(out_dir: str) -> None:
             record["criteria"] = "ran"
         except NotImplementedError as exc:
             record["criteria"] = f"NotImplementedError: {exc}"
+        refusals = {}
+        for name, call in {
+            "stock_fallback": lambda: model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=3, num_beams=2,
+                                                     do_sample=False, pad_token_id=0),
+            "lead_again": lambda: lead_tensor_parallel(model),
+            "follow_on_rank_0": lambda: follow_tensor_parallel(model),
+        }.items():
+            try:
+                call()
+                refusals[name] = "ran"
+            except (NotImplementedError, RuntimeError, ValueError) as exc:
+                refusals[name] = f"{type(exc).__name__}: {exc}"
+        record["refusals"] = refusals
         record["leader_steps"] = engine_of(model).stats.steps
         assert stop_leading(model, timeout=60)
         record["leader_free_blocks"] = engine_of(model).block_manager.num_free_blocks

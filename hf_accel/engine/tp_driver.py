@@ -119,8 +119,9 @@ class LeaderDriver:
     def fatal(self, exc: BaseException) -> None:
         """A step failed on rank 0: the other ranks' engines can no longer be kept in step with this one, so the
         process ends (torchrun ends the others) rather than serve on out of step or leave them waiting."""
-        logger.critical("hf_accel: a step failed on tensor-parallel rank 0 (%s: %s); ending the job: the other ranks "
-                        "cannot be kept in step with it", type(exc).__name__, exc, exc_info=exc)
+        logger.critical("hf_accel: a step or its plan failed on tensor-parallel rank 0 (%s: %s; if another rank ended "
+                        "first, that rank's error is the cause); ending the job: the ranks cannot be kept in step",
+                        type(exc).__name__, exc, exc_info=exc)
         logging.shutdown()
         os._exit(1)
 

@@ -610,8 +610,8 @@ async def _serve(server: _Server, request: Request, req: CompletionRequest | Cha
         log.prompt_tokens = gen.prompt_tokens
         try:
             gen.start()
-        except ValueError as exc:
-            raise RequestError(str(exc)) from exc
+        except (ValueError, NotImplementedError) as exc:  # bad input, or what this model cannot serve (a led TP
+            raise RequestError(str(exc)) from exc  # model and a logits processor from its generation config)
     except BaseException:
         release()
         raise

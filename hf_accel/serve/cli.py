@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -68,8 +69,6 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def tensor_parallel_size() -> int:
     """The number of ranks torchrun started this command on (1 outside torchrun)."""
-    import os
-
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
@@ -158,6 +157,8 @@ def _run_tensor_parallel(args: argparse.Namespace, model: Any, tokenizer: Any) -
     from hf_accel.serve.app import build_app
 
     rank = dist.get_rank()
+    if args.device:
+        logger.warning("--device is ignored under torchrun: transformers places each rank's shard (tp_plan='auto')")
     if rank != 0:
         # a signal torchrun forwards to every rank must not end a follower before rank 0 has told it to stop
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -173,7 +174,10 @@ def _run_tensor_parallel(args: argparse.Namespace, model: Any, tokenizer: Any) -
                     args.served_model_name or args.model, args.host, args.port, dist.get_world_size())
         serve_app(app, args.host, args.port, log_level=args.log_level)
     finally:
-        stop_leading(model)
+        if not stop_leading(model, timeout=60):  # a stream left open: end the job rather than leave ranks waiting
+            logger.error("calls still running 60 s after shutdown; ending the job")
+            logging.shutdown()
+            os._exit(1)
     return 0
 
 
