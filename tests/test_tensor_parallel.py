@@ -277,3 +277,12 @@ def test_led_and_following_ranks_refuse_what_would_break_the_pairing(led):
     assert refused["follow_on_rank_0"].startswith("ValueError") and "rank 0 leads" in refused["follow_on_rank_0"]
     side_call = follower["call_while_following"]
     assert side_call.startswith("RuntimeError") and "following" in side_call
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipeline_on_a_sharded_accelerated_model_equals_unsharded_stock(ranks, family):
+    """pipeline("text-generation") (batched, left-padded by the tokenizer) on every rank: stock's texts."""
+    for rank in ranks:
+        entry = rank[family]
+        assert entry["pipeline"] == entry["reference_pipeline"]
+        assert entry["pipeline_engine_steps"] > 0

@@ -62,6 +62,20 @@ def _batch():
     return left_pad(PROMPTS)
 
 
+PIPELINE_PROMPTS = ["hello", "abc", "xyz!"]
+
+
+def _pipeline_texts(model) -> list[str]:
+    """pipeline("text-generation") with the character-level test tokenizer, greedy, batched."""
+    from conftest import make_tokenizer
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=model, tokenizer=make_tokenizer())
+    out = pipe(PIPELINE_PROMPTS, max_new_tokens=8, do_sample=False, batch_size=2, return_full_text=False,
+               eos_token_id=None, pad_token_id=0)
+    return [o[0]["generated_text"] for o in out]
+
+
 def _calls(model) -> dict:
     """Greedy batch, EOS on; a second identical call (prefix cache); sampling with per-rank seeds."""
     from transformers import GenerationConfig
@@ -73,6 +87,11 @@ def _calls(model) -> dict:
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     res = model.generate_batch(PROMPTS, generation_config=gc)
     out["generate_batch"] = [res[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))] if res else None
+    from hf_accel.api import engine_of
+
+    before = engine_of(model).stats.steps
+    out["pipeline"] = _pipeline_texts(model)
+    out["pipeline_engine_steps"] = engine_of(model).stats.steps - before  # served by the engine, not stock
     torch.manual_seed(1000 + dist.get_rank())  # ranks seeded differently on purpose
     out["sampled"] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
                                     temperature=1.0, top_k=0).tolist()
@@ -129,6 +148,7 @@ def check(out_dir: str) -> None:
         gc_ref = [ref_model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                                      pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
         entry["reference_generate_batch"] = gc_ref
+        entry["reference_pipeline"] = _pipeline_texts(ref_model)
         tp_model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
         try:
             entry["stock_tp"] = tp_model.generate(ids, attention_mask=mask, max_new_tokens=10,
