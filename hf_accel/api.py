@@ -1036,6 +1036,25 @@ def _tensor_parallel_role(model, name: str, *, leader: bool) -> tuple[AccelState
     return state, TensorParallel(size=tp.size, rank=tp.rank, group=state.plan_group, device=torch.device("cpu"))
 
 
+def check_led_model_servable(model) -> None:
+    """Raise NotImplementedError, with the reason, when a plain greedy call on this led tensor-parallel model could not
+    be driven (its generation config asks for a stock-only mode, or for host callbacks such as
+    `no_repeat_ngram_size` or stop strings): `hf-accel serve` then refuses to start instead of failing every request.
+    Builds the requests of a one-token call and discards them; nothing runs."""
+    from hf_accel.engine.tp_driver import unsupported_reason
+
+    state = _state_of(model)
+    if state.loop.driver is None:
+        raise ValueError("check_led_model_servable(): the model is not led (lead_tensor_parallel)")
+    plan = _plan_generate(model, _generate_args(torch.tensor([[1]], device=_model_device(model)), max_new_tokens=1))
+    if plan.prepare is None:  # _warn_stock raised already for a stock-only mode; a restore()d model lands here
+        raise NotImplementedError("this model's calls would run stock generate()")
+    for req in plan.prepare(state).requests:
+        reason = unsupported_reason(req)
+        if reason is not None:
+            raise NotImplementedError(f"this model's generation config adds host callbacks: {reason}")
+
+
 def _state_of(model) -> AccelState:
     state: AccelState | None = base_model_of(model).__dict__.get(_STATE)
     if state is None:

@@ -629,3 +629,32 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int:
             if ppid == torchrun_pid and f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
                 return int(entry.name)
     raise AssertionError(f"no worker of rank {rank} under torchrun (pid {torchrun_pid})")
+
+
+def test_cli_refuses_at_startup_a_tensor_parallel_model_it_could_not_drive(tmp_path):
+    """A checkpoint whose generation config adds a host-side logits processor (no_repeat_ngram_size) cannot be driven
+    to the other ranks: the TP server refuses to start, naming why, rather than failing every request."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    from transformers import GenerationConfig
+
+    path = save_checkpoint(tmp_path / "ngram")
+    gc = GenerationConfig.from_pretrained(path)
+    gc.no_repeat_ngram_size = 2
+    gc.save_pretrained(path)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_ACCEL_BACKGROUND_BUILDS": "0",
+           "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                             "-m", "hf_accel.cli", "serve", str(path), "--port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_process_tree(proc.pid)
+        raise AssertionError("the TP server neither started nor refused within 120 s") from None
+    assert proc.returncode != 0
+    assert "cannot serve" in out and "logits processors" in out, out[-3000:]
+    assert "rank 0 stopped serving after" in out  # the follower was released, not left waiting

@@ -311,6 +311,10 @@ class _Server:
             raise NotImplementedError(
                 "a tensor-parallel model is served from rank 0 only, after hf_accel.api.lead_tensor_parallel(model) "
                 "(the other ranks run follow_tensor_parallel(model)); `hf-accel serve` under torchrun does both")
+        if tensor_parallel:  # fail at startup, not on every request
+            from hf_accel.api import check_led_model_servable
+
+            check_led_model_servable(model)
         self.model = model
         self.tokenizer = tokenizer
         self.name = served_model_name

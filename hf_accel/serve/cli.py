@@ -168,8 +168,12 @@ def _run_tensor_parallel(args: argparse.Namespace, model: Any, tokenizer: Any) -
         return 0
     lead_tensor_parallel(model)
     try:
-        app = build_app(model, tokenizer, args.served_model_name or args.model,
-                        max_queued_requests=args.max_queued_requests)
+        try:
+            app = build_app(model, tokenizer, args.served_model_name or args.model,
+                            max_queued_requests=args.max_queued_requests)
+        except NotImplementedError as exc:
+            print(f"hf-accel serve: cannot serve {args.model} tensor-parallel: {exc}", file=sys.stderr)
+            return 1
         logger.info("serving %s on http://%s:%d/v1 (tensor parallel over %d ranks)",
                     args.served_model_name or args.model, args.host, args.port, dist.get_world_size())
         serve_app(app, args.host, args.port, log_level=args.log_level)
