@@ -115,6 +115,10 @@ sys.argv[0] = 'hf-accel'; from hf_accel.cli import main; sys.exit(main())" bench
         --no-progress --json "$OUT/quant-$q.json" >"$OUT/quant-$q.log" 2>&1
       echo "== $q"; grep -E "hf_accel  |stock|guard|INVALID|done in|accelerated" "$OUT/quant-$q.log" | cut -c1-160
     done ;;
+  tp-tests)  # issue 17, on a 2-GPU lease: every backend at TP 2 (graphs with NCCL inside) and the led engine, judged
+    # by float32 against stock TP generate() (tests/test_gpu_tensor_parallel.py)
+    timeout 590 python3 -m pytest -m gpu $P -rA tests/test_gpu_tensor_parallel.py >"$OUT/tp-tests.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tp-tests.log" | cut -c1-220 | tail -n 20 ;;
   tp)  # issue 17, on a 2-GPU lease: llama-3.1-8b W1/W2 at TP 2 beside stock TP 2 generate(), then TP 1 for the ratio
     timeout 400 torchrun --nproc-per-node 2 -m hf_accel.bench --tensor-parallel --workload w1,w2 \
       --shape llama-3.1-8b --anchors eager --anchor-repeats 1 --anchor-warmup 0 --no-progress \

@@ -367,9 +367,123 @@ def lead_fault(out_dir: str) -> None:
         f.write("the call returned although rank 1 had failed")
 
 
+# llama-3.1-8b layer shapes, 4 layers (as tests/test_gpu_ab.py), and its float32 judgement batch
+GPU_CONFIG = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000)
+GPU_LENGTHS = [16 + (37 * i) % 49 for i in range(48)]
+GPU_NEW = 64
+
+
+def _gpu_batch():
+    g = torch.Generator().manual_seed(7)
+    width = max(GPU_LENGTHS)
+    ids = torch.zeros(len(GPU_LENGTHS), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(GPU_LENGTHS):
+        ids[i, width - n:] = torch.randint(10, 10000, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids.cuda(), mask.cuda()
+
+
+def gpu_judge(out_dir: str) -> None:
+    """Two GPUs (NCCL): stock TP generate(), then ours with every available backend in the default graph mode, then
+    ours led (concurrent streams, rank 1 following), each judged on rank 0 by a float32 copy of the unsharded weights;
+    and seeded sampling on both ranks."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from hf_accel import accelerate_model, available_backends, engine_info, restore
+    from hf_accel.api import follow_tensor_parallel, lead_tensor_parallel, stop_leading
+
+    rank = dist.get_rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    holder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    path = os.path.join(holder[0], "llama-8b-4l")
+    if rank == 0:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            LlamaForCausalLM(LlamaConfig(**GPU_CONFIG)).to(torch.bfloat16).save_pretrained(path)
+        torch.cuda.empty_cache()
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    ids, mask = _gpu_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=GPU_NEW, do_sample=False)
+    record: dict = {"stock": model.generate(**kw).tolist(), "backends": {}}
+    for name, why in available_backends(model).items():
+        if why is not None:
+            record["backends"][name] = {"unavailable": why}
+            continue
+        entry: dict = {}
+        try:
+            accelerate_model(model, attention_backend=name)
+            info = engine_info(model)
+            entry.update(cudagraph_mode=info["cudagraph_mode"], fallbacks=info["fallbacks"],
+                         num_kv_blocks=info["num_kv_blocks"])
+            entry["out"] = model.generate(**kw).tolist()
+        except Exception as exc:  # recorded; the test fails on it
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        finally:
+            restore(model)
+        record["backends"][name] = entry
+    accelerate_model(model)
+    torch.manual_seed(100 + rank)  # ranks seeded differently on purpose: rank 0's seed is broadcast
+    record["sampled"] = model.generate(input_ids=ids[:4], attention_mask=mask[:4], max_new_tokens=16,
+                                       do_sample=True, temperature=1.0, top_k=0).tolist()
+    if rank != 0:
+        follow_tensor_parallel(model)
+    else:
+        lead_tensor_parallel(model)
+
+        async def streams():
+            async def one(row):
+                n = int(mask[row].sum())
+                s = model.agenerate_stream(ids[row:row + 1, -n:], max_new_tokens=GPU_NEW, do_sample=False)
+                toks = []
+                async for delta in s:
+                    toks += delta.token_ids
+                return toks
+            return await asyncio.gather(*(one(r) for r in range(len(GPU_LENGTHS))))
+
+        led = asyncio.run(streams())
+        assert stop_leading(model, timeout=120)
+        width = ids.shape[1]
+        record["led"] = [ids[r].tolist() + t for r, t in enumerate(led)]  # as generate() rows: prompt then tokens
+        assert all(len(t) == GPU_NEW for t in led)
+    restore(model)
+    if rank == 0:  # the judge: float32, unsharded, on this GPU
+        del model
+        torch.cuda.empty_cache()
+        judge = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+        width = ids.shape[1]
+        full = torch.cat([mask, torch.ones(mask.shape[0], GPU_NEW, dtype=mask.dtype, device=mask.device)], dim=1)
+        positions = (full.cumsum(-1) - 1).clamp(min=0)
+
+        @torch.no_grad()
+        def agreement(rows) -> float:
+            seq = torch.tensor(rows, device="cuda")
+            logits = judge(input_ids=seq, attention_mask=full, position_ids=positions).logits[:, width - 1:-1]
+            return float((logits.argmax(-1) == seq[:, width:]).float().mean())
+
+        record["agreement"] = {"stock": agreement(record["stock"])}
+        for name, entry in record["backends"].items():
+            if "out" in entry:
+                record["agreement"][name] = agreement(entry["out"])
+        record["agreement"]["led"] = agreement(record["led"])
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.barrier()
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
-    if not dist.is_initialized():
+    if mode == "gpu_judge":  # NCCL for the model's collectives, gloo for the script's own CPU objects
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("cuda:nccl,cpu:gloo")
+    elif not dist.is_initialized():
         dist.init_process_group("gloo")
     if mode == "check":
         check(out)
@@ -377,6 +491,8 @@ if __name__ == "__main__":
         lead(out)
     elif mode == "lead_fault":
         lead_fault(out)
+    elif mode == "gpu_judge":
+        gpu_judge(out)
     else:
         fault(mode)
     dist.destroy_process_group()
