@@ -195,3 +195,15 @@ def kill_process_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except OSError:
             pass
+
+
+def random_left_padded(lengths: list[int], seed: int = 0, high: int = 10000) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of the given lengths (token ids 10..high-1, seeded), left-padded with 0: (ids, mask) on CPU."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(10, high, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask

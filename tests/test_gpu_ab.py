@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 import transformers
+from conftest import random_left_padded
 
 from hf_accel import accelerate_model, available_backends, restore
 from hf_accel.bench import tie_margin_for
@@ -99,13 +100,7 @@ def gpu_model(shape: str) -> torch.nn.Module:
 
 
 def batch(lengths: list[int], seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n :] = torch.randint(10, 10000, (n,), generator=g)
-        mask[i, width - n :] = 1
+    ids, mask = random_left_padded(lengths, seed)
     return ids.cuda(), mask.cuda()
 
 

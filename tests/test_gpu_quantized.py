@@ -22,6 +22,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from conftest import random_left_padded
 
 from hf_accel import accelerate_model, engine_info, restore
 
@@ -111,13 +112,7 @@ def dequantized_fp32_judge(path: str, quantized) -> torch.nn.Module:
 
 
 def judge_batch():
-    g = torch.Generator().manual_seed(7)
-    width = max(JUDGE_LENGTHS)
-    ids = torch.zeros(len(JUDGE_LENGTHS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(JUDGE_LENGTHS):
-        ids[i, width - n:] = torch.randint(10, 10000, (n,), generator=g)
-        mask[i, width - n:] = 1
+    ids, mask = random_left_padded(JUDGE_LENGTHS, seed=7)
     return ids.cuda(), mask.cuda()
 
 

@@ -10,11 +10,9 @@ seeded ranks gives one sequence on both.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from test_tensor_parallel import _torchrun
+from test_tensor_parallel import run_ranks
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -23,10 +21,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def judged(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_gpu")
-    proc = _torchrun("gpu_judge", out, timeout=580)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return run_ranks("gpu_judge", tmp_path_factory.mktemp("tp_gpu"), timeout=580)
 
 
 def test_every_backend_agrees_with_float32_as_stock_tp_does(judged):

@@ -107,6 +107,20 @@ def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.01)
 
 
+def wait_served(proc: subprocess.Popen, port: int, timeout: float) -> str:
+    """Wait until the server process answers /health on `port` (failing at once if it exits); its base URL."""
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, proc.stdout.read()
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        return False
+
+    wait_until(healthy, timeout=timeout, what="the server to come up")
+    return url
+
+
 def wait_blocks_free(model) -> None:
     bm = engine_of(model).block_manager
     wait_until(lambda: bm.num_free_blocks == bm.num_usable_blocks, what="every KV block to be free again")
@@ -532,15 +546,7 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(ckpt, stock):
                              "--served-model-name", NAME, "--max-num-seqs", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
-        url = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stdout.read()
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            return False
-
-        wait_until(healthy, timeout=45, what="the server to come up")
+        url = wait_served(proc, port, timeout=45)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         r = client.completions.create(model=NAME, prompt="hello world", max_tokens=8, temperature=0)
         assert r.choices[0].text == reference(stock, prompt_ids(stock.tok, "hello world"), 8)[0]
@@ -571,25 +577,9 @@ def test_cli_serves_a_tensor_parallel_model_under_torchrun(ckpt, stock):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     port = free_port()
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_ACCEL_BACKGROUND_BUILDS": "0",
-           "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                             "-m", "hf_accel.cli", "serve", str(ckpt), "--port", str(port),
-                             "--served-model-name", NAME, "--max-num-seqs", "8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                            start_new_session=True)
+    proc = _serve_under_torchrun(ckpt, port, "--served-model-name", NAME, "--max-num-seqs", "8")
     try:
-        url = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            assert proc.poll() is None, proc.stdout.read()
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            return False
-
-        wait_until(healthy, timeout=90, what="the tensor-parallel server to come up")
+        url = wait_served(proc, port, timeout=90)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         prompts = ["hello world", "The quick brown fox", "Once upon a time", "A café in Zürich"]
 
@@ -642,14 +632,7 @@ def test_cli_refuses_at_startup_a_tensor_parallel_model_it_could_not_drive(tmp_p
     gc = GenerationConfig.from_pretrained(path)
     gc.no_repeat_ngram_size = 2
     gc.save_pretrained(path)
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_ACCEL_BACKGROUND_BUILDS": "0",
-           "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                             "-m", "hf_accel.cli", "serve", str(path), "--port", str(free_port())],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                            start_new_session=True)
+    proc = _serve_under_torchrun(path, free_port())
     try:
         out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -658,3 +641,15 @@ def test_cli_refuses_at_startup_a_tensor_parallel_model_it_could_not_drive(tmp_p
     assert proc.returncode != 0
     assert "cannot serve" in out and "logits processors" in out, out[-3000:]
     assert "rank 0 stopped serving after" in out  # the follower was released, not left waiting
+
+
+def _serve_under_torchrun(path: Path, port: int, *extra: str) -> subprocess.Popen:
+    """`hf-accel serve` on two ranks (gloo on CPU), output merged into stdout; kill with kill_process_tree."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_ACCEL_BACKGROUND_BUILDS": "0",
+           "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                             "-m", "hf_accel.cli", "serve", str(path), "--port", str(port), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                            start_new_session=True)

@@ -55,12 +55,16 @@ def _torchrun(mode: str, out: Path, timeout: float) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    proc = _torchrun("check", out, timeout=300)
+def run_ranks(mode: str, out: Path, timeout: float) -> list[dict]:
+    """Run a worker mode on two ranks; what each rank recorded (`rank{r}.json` in `out`)."""
+    proc = _torchrun(mode, out, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_ranks("check", tmp_path_factory.mktemp("tp"), timeout=300)
 
 
 FAMILIES = ["llama", "qwen3", "llama-mha", "llama-compiled"]
@@ -220,10 +224,7 @@ def test_bench_runs_tensor_parallel(tmp_path):
 
 @pytest.fixture(scope="module")
 def led(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_lead")
-    proc = _torchrun("lead", out, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return run_ranks("lead", tmp_path_factory.mktemp("tp_lead"), timeout=300)
 
 
 def test_led_streams_started_at_different_steps_equal_stock(led):

@@ -375,13 +375,9 @@ GPU_NEW = 64
 
 
 def _gpu_batch():
-    g = torch.Generator().manual_seed(7)
-    width = max(GPU_LENGTHS)
-    ids = torch.zeros(len(GPU_LENGTHS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(GPU_LENGTHS):
-        ids[i, width - n:] = torch.randint(10, 10000, (n,), generator=g)
-        mask[i, width - n:] = 1
+    from conftest import random_left_padded
+
+    ids, mask = random_left_padded(GPU_LENGTHS, seed=7)
     return ids.cuda(), mask.cuda()
 
 
