@@ -95,7 +95,7 @@ class AccelState:
     active_calls: int = 0  # calls admitted and not yet over (any thread, sync or async)
     tp_out_of_step: str | None = None  # tensor parallel: why this rank can no longer pair steps with the others
     following: bool = False  # tensor parallel: this rank runs rank 0's schedule (follow_tensor_parallel)
-    stopping_lead: bool = False  # rank 0's stop_leading() waits for the calls admitted while led
+    stopping_lead: bool = False  # rank 0's stop_leading_tensor_parallel() waits for the calls admitted while led
     plan_group: Any = None  # tensor parallel: the CPU (gloo) group rank 0's step plans travel on
     closing: bool = False  # restore() is waiting for the active calls: new calls wait, then run stock
     running_threads: dict[int, int] = field(default_factory=dict)  # thread id -> sync calls it is waiting in
@@ -205,10 +205,10 @@ def _apply_quantization_quirks(model, cfg: AccelConfig) -> str | None:
     off: list[str] = []
     for quirk in quantization_quirks(model):
         what = []
-        if cfg.compile and not quirk.compile:
+        if cfg.compile and not quirk.compiles:
             cfg.compile = False
             what.append("torch.compile")
-        if not quirk.cuda_graphs and CUDAGraphMode(cfg.cudagraph_mode or "none").value != "none":
+        if not quirk.captures and CUDAGraphMode(cfg.cudagraph_mode or "none").value != "none":
             cfg.cudagraph_mode = CUDAGraphMode.NONE
             what.append("CUDA graphs")
         if what:
@@ -492,15 +492,16 @@ def restore(model):
                                "on the loop restore() would block); await or close them first, or restore from "
                                "another thread")
         state.closing = True
+        led = state.loop.driver is not None
+        state.stopping_lead = led  # calls arriving meanwhile are refused (on rank 0 alone they could only hang)
         try:
             record.changed.wait_for(lambda: state.active_calls == 0)
         except BaseException:
-            state.closing = False
+            state.closing = state.stopping_lead = False
             record.changed.notify_all()
             raise
-        if state.loop.driver is not None:  # a led TP model: the other ranks are told to stop following first
+        if led:  # the other ranks are told to stop following first
             state.loop.stop_driving()
-            state.loop.driver = state.engine.driver = None
         state.loop.wait_idle()
         _restore_locked(model, state)
         record.changed.notify_all()
@@ -607,6 +608,8 @@ def _admit(model, counted_thread: bool) -> AccelState | None:
                 return None
             if not state.closing:
                 break
+            if state.stopping_lead:  # restore() of a led TP model: no stock call on rank 0 alone afterwards
+                raise RuntimeError("hf_accel: the tensor-parallel model is being restored while it is led")
             record.changed.wait()
         if state.tp_out_of_step is not None:
             raise RuntimeError(
@@ -617,7 +620,7 @@ def _admit(model, counted_thread: bool) -> AccelState | None:
                                "(follow_tensor_parallel); it takes no calls of its own until rank 0 stops leading")
         driven = state.loop.driver is not None  # rank 0 serving a TP model: its loop keeps the ranks in step
         if driven and state.stopping_lead:
-            raise RuntimeError("hf_accel: the tensor-parallel model is stopping leading (stop_leading)")
+            raise RuntimeError("hf_accel: the tensor-parallel model is stopping leading (stop_leading_tensor_parallel)")
         if state.active_calls and state.engine.tp is not None and not driven:
             raise RuntimeError(
                 "hf_accel: a tensor-parallel model takes one call at a time per rank, made in the same order on "
@@ -661,6 +664,10 @@ def _reaccelerate(model, state: AccelState) -> AccelState | None:
         model.set_attn_implementation(chosen)
     try:
         accelerate_model(model, config=state.config)
+        new_state: AccelState = model.__dict__[_STATE]
+        if state.extra_info.get("quantization_fallback") and not new_state.extra_info.get("quantization_fallback"):
+            # the options kept already have what the quirk turned off: its reason still holds
+            new_state.extra_info["quantization_fallback"] = state.extra_info["quantization_fallback"]
     except Exception as exc:  # e.g. a dtype no backend runs: stay restored, serve this call stock
         if getattr(state.engine, "tp", None) is not None:  # one rank alone must never run stock: end the job
             raise RuntimeError(f"hf_accel: could not accelerate the changed tensor-parallel model again on this rank "
@@ -961,20 +968,21 @@ def lead_tensor_parallel(model) -> None:
     (`agenerate_stream`, aborts), as on one GPU. What a plan cannot carry is refused: host callbacks that decide
     tokens or stops (logits processors, stopping criteria, stop strings in generate(), max_time), and calls that would
     run stock generate(). The model must not change while it is led (nothing checks its weights meanwhile), and no
-    other code may run its forward. `stop_leading(model)` ends it. This is what `hf-accel serve` runs under torchrun.
+    other code may run its forward. `stop_leading_tensor_parallel(model)` ends it. This is what `hf-accel serve` runs
+    under torchrun.
     """
-    from hf_accel.engine.tp_driver import LeaderDriver
-
-    state, plans = _tensor_parallel_role(model, "lead_tensor_parallel", leader=True)
-    state.loop.start_driving(LeaderDriver(plans))
+    _tensor_parallel_role(model, "lead_tensor_parallel", leader=True)
 
 
-def stop_leading(model, timeout: float | None = None) -> bool:
+def stop_leading_tensor_parallel(model, timeout: float | None = None) -> bool:
     """End `lead_tensor_parallel`: new calls are refused, the calls running finish (streams must be closed), then
-    the other ranks' `follow_tensor_parallel` returns. True once it has; False if the calls did not finish within
-    `timeout` seconds (the model then stays led)."""
+    the other ranks' `follow_tensor_parallel` returns. True once it has. False if that did not happen within
+    `timeout` seconds: if the calls were still running, the model stays led; if they had finished but the engine
+    thread had not yet told the other ranks, it keeps refusing calls and stops as soon as it can."""
+    model = base_model_of(model)
     state = _state_of(model)
     record = _model_lock_record(model)
+    deadline = None if timeout is None else time.monotonic() + timeout
     with record.rlock:
         if state.loop.driver is None:
             return True
@@ -983,23 +991,26 @@ def stop_leading(model, timeout: float | None = None) -> bool:
             if not record.changed.wait_for(lambda: state.active_calls == 0, timeout):
                 return False
             # no call is between its admission and its submit now: none can reach a loop that no longer drives
-            done = state.loop.stop_driving(timeout)
-            if done:
-                state.loop.driver = state.engine.driver = None
-            return done
+            return state.loop.stop_driving(None if deadline is None else max(0.0, deadline - time.monotonic()))
         finally:
             state.stopping_lead = False
 
 
 def follow_tensor_parallel(model) -> int:
     """Every rank but 0 of a served tensor-parallel model: run rank 0's schedule, step by step, on this thread until
-    rank 0 stops leading (see `lead_tensor_parallel`). Returns the number of forward steps run; an error raises (and
-    torchrun then ends every rank). Other calls on this rank are refused meanwhile."""
+    rank 0 stops leading (see `lead_tensor_parallel`). Returns the number of forward steps run. Other calls on this
+    rank are refused meanwhile. An error raises (torchrun then ends every rank); the rank is then out of step and
+    refuses further calls."""
     from hf_accel.engine.tp_driver import follow
 
+    model = base_model_of(model)
     state, plans = _tensor_parallel_role(model, "follow_tensor_parallel", leader=False)
     try:
         return follow(state.engine, plans)
+    except BaseException as exc:
+        state.tp_out_of_step = f"following rank 0 failed: {type(exc).__name__}: {exc}"
+        state.engine.recover()
+        raise
     finally:
         with _model_lock_record(model).rlock:
             state.following = False
@@ -1007,10 +1018,15 @@ def follow_tensor_parallel(model) -> int:
 
 
 def _tensor_parallel_role(model, name: str, *, leader: bool) -> tuple[AccelState, TensorParallel]:
-    """Checks (before any collective) and the agreed start of leading or following: the model unchanged on every
-    rank, and the CPU group the plans travel on (gloo: a plan never waits for the GPU's queued work)."""
+    """Checks (before any collective), then the agreed start of leading or following, under the model's lock: the
+    model unchanged on every rank, and the CPU group the plans travel on (gloo: a plan never waits for the GPU's
+    queued work). Rank 0's engine starts driving before the lock is let go, so no call admitted meanwhile can take
+    the undriven path."""
     import torch.distributed as dist
 
+    from hf_accel.engine.tp_driver import LeaderDriver
+
+    model = base_model_of(model)
     state = _state_of(model)
     tp = state.engine.tp
     if tp is None:
@@ -1031,28 +1047,34 @@ def _tensor_parallel_role(model, name: str, *, leader: bool) -> tuple[AccelState
         if state.engine.sync_with_model():  # agreed with the other ranks, which run the same check
             raise RuntimeError(f"{name}(): the model changed since it was accelerated; accelerate it again on every "
                                "rank first")
-        if not leader:
+        plans = TensorParallel(size=tp.size, rank=tp.rank, group=state.plan_group, device=torch.device("cpu"))
+        if leader:
+            state.loop.start_driving(LeaderDriver(plans))
+        else:
             state.following = True
-    return state, TensorParallel(size=tp.size, rank=tp.rank, group=state.plan_group, device=torch.device("cpu"))
+    return state, plans
 
 
 def check_led_model_servable(model) -> None:
-    """Raise NotImplementedError, with the reason, when a plain greedy call on this led tensor-parallel model could not
-    be driven (its generation config asks for a stock-only mode, or for host callbacks such as
-    `no_repeat_ngram_size` or stop strings): `hf-accel serve` then refuses to start instead of failing every request.
-    Builds the requests of a one-token call and discards them; nothing runs."""
+    """Raise NotImplementedError, with the reason, when a plain call on this led tensor-parallel model, greedy or
+    sampled, could not be driven (its generation config asks for a stock-only mode, or for host callbacks such as
+    `no_repeat_ngram_size` or stop strings): `hf-accel serve` then refuses to start instead of failing requests.
+    Builds the requests of one-token calls and discards them; nothing runs."""
     from hf_accel.engine.tp_driver import unsupported_reason
 
+    model = base_model_of(model)
     state = _state_of(model)
     if state.loop.driver is None:
         raise ValueError("check_led_model_servable(): the model is not led (lead_tensor_parallel)")
-    plan = _plan_generate(model, _generate_args(torch.tensor([[1]], device=_model_device(model)), max_new_tokens=1))
-    if plan.prepare is None:  # _warn_stock raised already for a stock-only mode; a restore()d model lands here
-        raise NotImplementedError("this model's calls would run stock generate()")
-    for req in plan.prepare(state).requests:
-        reason = unsupported_reason(req)
-        if reason is not None:
-            raise NotImplementedError(f"this model's generation config adds host callbacks: {reason}")
+    prompt = torch.tensor([[1]], device=_model_device(model))
+    for sampling in ({"do_sample": False}, {"do_sample": True, "temperature": 0.7, "top_p": 0.9}):
+        plan = _plan_generate(model, _generate_args(prompt, max_new_tokens=1, **sampling))  # (_warn_stock raises)
+        if plan.prepare is None:
+            raise NotImplementedError("this model's calls would run stock generate()")
+        for req in plan.prepare(state).requests:
+            reason = unsupported_reason(req)
+            if reason is not None:
+                raise NotImplementedError(f"this model's generation config adds host callbacks: {reason}")
 
 
 def _state_of(model) -> AccelState:
@@ -1064,7 +1086,8 @@ def _state_of(model) -> AccelState:
 
 def _refuse_async_on_tensor_parallel(model, name: str) -> None:
     """A cancelled task, an abort or a stream left early lands between steps at a different step on each rank, so
-    the ranks' collectives would stop pairing up: the async entry points are refused on tensor-parallel models."""
+    the ranks' collectives would stop pairing up: the async entry points are refused on tensor-parallel models,
+    unless rank 0 leads (`lead_tensor_parallel`: its aborts reach the other ranks in its step plans)."""
     state = base_model_of(model).__dict__.get(_STATE)
     if state is not None and getattr(state.engine, "tp", None) is not None and state.loop.driver is None:
         raise NotImplementedError(

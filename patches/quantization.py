@@ -15,11 +15,13 @@ import torch
 
 @dataclass(frozen=True)
 class QuantizedLinearQuirk:
-    """What accelerate_model must turn off for a model holding such a module (`applies` says whether this one does)."""
+    """What such a module supports (`compiles`: torch.compile takes it without recompiling per batch; `captures`: a
+    CUDA graph can capture it); accelerate_model turns off what it does not. `applies` says whether a given module of
+    the class has the quirk."""
 
     method: str
-    compile: bool
-    cuda_graphs: bool
+    compiles: bool
+    captures: bool
     why: str
     applies: Callable[[torch.nn.Module], bool] = lambda module: True
 
@@ -33,7 +35,7 @@ QUIRKS: dict[str, QuantizedLinearQuirk] = {
     # columns above it (a data-dependent shape, read on the host). Dynamo recompiles the forward for new batches
     # (seen on the H200: one ~30 s Inductor compile per recompile) and a CUDA graph capture fails on the host read.
     "Linear8bitLt": QuantizedLinearQuirk(
-        method="bitsandbytes 8-bit (LLM.int8() outlier decomposition)", compile=False, cuda_graphs=False,
+        method="bitsandbytes 8-bit (LLM.int8() outlier decomposition)", compiles=False, captures=False,
         why="its outlier decomposition reads the activations on the host every call (data-dependent shapes): "
             "Dynamo would recompile per batch and a CUDA graph cannot capture the read",
         applies=_has_outlier_threshold),

@@ -245,7 +245,7 @@ def test_led_follower_ran_every_step_and_freed_every_block(led):
     leader, follower = led
     assert follower["follower_steps"] == leader["leader_steps"] > 0
     assert follower["follower_free_blocks"] == leader["leader_free_blocks"]
-    # after stop_leading, plain calls on every rank pair up again
+    # after stop_leading_tensor_parallel, plain calls on every rank pair up again
     assert leader["after_stop"] == follower["after_stop"] == leader["reference"][2]
 
 

@@ -230,7 +230,7 @@ def lead(out_dir: str) -> None:
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
     from hf_accel import accelerate_model
-    from hf_accel.api import engine_of, follow_tensor_parallel, lead_tensor_parallel, stop_leading
+    from hf_accel.api import engine_of, follow_tensor_parallel, lead_tensor_parallel, stop_leading_tensor_parallel
 
     rank = dist.get_rank()
     holder = [tempfile.mkdtemp() if rank == 0 else None]
@@ -323,11 +323,11 @@ def lead(out_dir: str) -> None:
                 refusals[name] = f"{type(exc).__name__}: {exc}"
         record["refusals"] = refusals
         record["leader_steps"] = engine_of(model).stats.steps
-        assert stop_leading(model, timeout=60)
+        assert stop_leading_tensor_parallel(model, timeout=60)
         record["leader_free_blocks"] = engine_of(model).block_manager.num_free_blocks
         record["after_stop"] = model.generate(torch.tensor([PROMPTS[2]]), max_new_tokens=12, do_sample=False,
                                               eos_token_id=None, pad_token_id=0)[0, len(PROMPTS[2]):].tolist()
-    if rank != 0:  # rank 0's plain generate() after stop_leading pairs with this one (same call on every rank)
+    if rank != 0:  # rank 0's plain generate() after it stopped leading pairs with this one (same call, every rank)
         p = PROMPTS[2]
         record["after_stop"] = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
                                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
@@ -390,7 +390,7 @@ def gpu_judge(out_dir: str) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from hf_accel import accelerate_model, available_backends, engine_info, restore
-    from hf_accel.api import follow_tensor_parallel, lead_tensor_parallel, stop_leading
+    from hf_accel.api import follow_tensor_parallel, lead_tensor_parallel, stop_leading_tensor_parallel
 
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -445,7 +445,7 @@ def gpu_judge(out_dir: str) -> None:
             return await asyncio.gather(*(one(r) for r in range(len(GPU_LENGTHS))))
 
         led = asyncio.run(streams())
-        assert stop_leading(model, timeout=120)
+        assert stop_leading_tensor_parallel(model, timeout=120)
         width = ids.shape[1]
         record["led"] = [ids[r].tolist() + t for r, t in enumerate(led)]  # as generate() rows: prompt then tokens
         assert all(len(t) == GPU_NEW for t in led)

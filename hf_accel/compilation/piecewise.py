@@ -585,6 +585,7 @@ class PiecewiseForward:
         for piece in self.pieces:
             piece.captures.clear()
         self.stats.captured_sizes.clear()
+        self.stats.pool_bytes_allocated = self.stats.pool_bytes_reserved = 0
 
     def capture(self, sizes: Iterable[int] | None, run_fn: Callable[[int], Any]) -> None:
         """Capture the graphable pieces for every T in `sizes` (default: capture_sizes), largest first."""

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,8 +25,10 @@ from hf_accel.engine.runner import ModelRunner, engine_forward
 from hf_accel.engine.sampler import Sampler
 from hf_accel.engine.scheduler import Scheduler
 from hf_accel.engine.tensor_parallel import TensorParallel, local_heads, tensor_parallel_of
-from hf_accel.engine.tp_driver import LeaderDriver
 from hf_accel.ops import pdl
+
+if TYPE_CHECKING:
+    from hf_accel.engine.tp_driver import LeaderDriver
 
 logger = logging.getLogger(__name__)
 

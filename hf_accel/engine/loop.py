@@ -17,6 +17,9 @@ Threading design (what runs where):
   that caller aborts its call (its blocks are freed before it re-raises) and the others go on.
 - An error inside the step itself (the GPU, a bug) is not any one call's: every call in flight fails with it and the
   engine is reset (`LLMEngine.recover`), ready for the next call.
+- **Rank 0 of a served tensor-parallel model** (`start_driving`, engine/tp_driver.py): the engine thread stays up
+  until `stop_driving()`, hands every step's adds and aborts to the other ranks before the step, and sends an empty
+  plan while idle; a step error there ends the process instead of a reset (the other ranks could not follow one).
 
 No module-level mutable state: each model has its own loop, engine and forward context (the context is per thread,
 and each model's steps run on that model's engine thread).
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_accel.engine.request import Request
-from hf_accel.engine.tp_driver import HEARTBEAT_S
+from hf_accel.engine.tp_driver import HEARTBEAT_S, unsupported_reason
 
 if TYPE_CHECKING:
     from hf_accel.engine.engine import LLMEngine
@@ -149,8 +152,6 @@ class EngineLoop:
         for req in call.requests:
             self.engine.check_request(req)
         if self.driver is not None:
-            from hf_accel.engine.tp_driver import unsupported_reason
-
             reasons = [r for r in map(unsupported_reason, call.requests) if r is not None]
             if reasons:
                 raise NotImplementedError(reasons[0])
@@ -229,13 +230,20 @@ class EngineLoop:
             self._ensure_thread()
 
     def stop_driving(self, timeout: float | None = None) -> bool:
-        """Finish what runs, tell the other ranks to return, and let the engine thread exit. True once it has."""
+        """Finish what runs, tell the other ranks to return, and let the engine thread exit; then this loop runs
+        undriven again. True once that is done; False after `timeout` seconds (submits are refused meanwhile, and the
+        thread still stops as soon as it can). The other ranks are told under the loop's lock, so a dead one holds
+        this (and submit / abort) until the plan group notices."""
         with self._lock:
             if self.driver is None:
                 return True
             self.driver.stopping = True
             self._work.set()
-        return self.wait_idle(timeout)
+        if not self.wait_idle(timeout):
+            return False
+        with self._lock:
+            self.driver = self.engine.driver = None
+        return True
 
     @property
     def on_engine_thread(self) -> bool:
@@ -290,6 +298,7 @@ class EngineLoop:
                 return False
             self._work.clear()
         if idle:  # rank 0 driving, nothing to run: wait for work; meanwhile an empty plan keeps the others alive
+            assert driver is not None
             if not self._work.wait(HEARTBEAT_S):
                 driver.send(step=False)
             return True

@@ -392,6 +392,7 @@ class ModelRunner:
             logger.warning("hf_accel: CUDA graph capture failed (%s: %s); continuing without CUDA graphs (%s)",
                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
                            "compiled forward" if self.piecewise is not None else "eager forward")
+            logger.debug("hf_accel: the capture failure's traceback", exc_info=exc)
         if on_cuda:
             torch.cuda.synchronize(self.device)
             info["graph_pool_bytes"] = max(0, torch.cuda.memory_reserved(self.device) - before)

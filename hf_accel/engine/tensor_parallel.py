@@ -20,7 +20,8 @@ its own heads only and every rank ends the forward with the full logits. What th
 
 Calls on a tensor-parallel model must come one at a time per rank, in the same order on every rank: the collectives
 inside a step pair up by order. A second concurrent call on one rank is refused with an error rather than risk two
-ranks pairing different steps.
+ranks pairing different steps. The exception is a model rank 0 leads (engine/tp_driver.py, what `hf-accel serve`
+runs): there rank 0 takes any calls at any time and hands its schedule to the other ranks step by step.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hf_accel.engine.request import Request, SamplingParams
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_S = 1.0  # an idle leader's empty plan, well inside any process group timeout (gloo 30 min, NCCL 10)
+HEARTBEAT_S = 1.0  # an idle leader's empty plan, well inside the plan group's timeout (gloo: 30 min)
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,17 @@ class RequestSpec:
                        extra_penalty_tokens=self.extra_penalty_tokens)
 
 
+# ("add", the request as rank 0 added it) or ("abort", its request id)
+PlanOp = tuple[str, "RequestSpec | int"]
+
+
 @dataclass
 class StepPlan:
     """One step's worth of rank 0's schedule: `ops` in the order rank 0 applied them ("add", RequestSpec) or
     ("abort", request_id); then the step itself when `step`, with `allow_async` as rank 0 set it. `stop`: the
     followers return."""
 
-    ops: list[tuple[str, Any]] = field(default_factory=list)
+    ops: list[PlanOp] = field(default_factory=list)
     step: bool = False
     allow_async: bool = False
     stop: bool = False
@@ -86,13 +90,14 @@ def unsupported_reason(req: Request) -> str | None:
 class LeaderDriver:
     """Rank 0's side: records the engine changes of its engine thread and hands them out before each step."""
 
-    def __init__(self, tp: TensorParallel) -> None:
-        if tp.rank != 0:
-            raise ValueError(f"only rank 0 drives a tensor-parallel engine (this is rank {tp.rank})")
-        self.tp = tp
+    def __init__(self, plans: TensorParallel) -> None:
+        """`plans`: the tensor-parallel ranks over the CPU group the plans travel on (not the model's own group)."""
+        if plans.rank != 0:
+            raise ValueError(f"only rank 0 drives a tensor-parallel engine (this is rank {plans.rank})")
+        self.plans = plans
         self.stopping = False  # set by the server's shutdown: the engine thread ends the followers and exits
         self.stopped = False
-        self._ops: list[tuple[str, Any]] = []
+        self._ops: list[PlanOp] = []
 
     # called by the engine (LLMEngine.add_request / abort_request) on rank 0's engine thread
     def record_add(self, req: Request) -> None:
@@ -108,12 +113,12 @@ class LeaderDriver:
         """Hand the recorded changes (and whether a step follows) to every other rank."""
         plan = StepPlan(ops=self._ops, step=step, allow_async=allow_async)
         self._ops = []
-        self.tp.broadcast_object(plan)
+        self.plans.broadcast_object(plan)
 
     def send_stop(self) -> None:
         if not self.stopped:
             self.stopped = True
-            self.tp.broadcast_object(StepPlan(ops=self._ops, stop=True))
+            self.plans.broadcast_object(StepPlan(ops=self._ops, stop=True))
             self._ops = []
 
     def fatal(self, exc: BaseException) -> None:
@@ -126,12 +131,13 @@ class LeaderDriver:
         os._exit(1)
 
 
-def follow(engine: LLMEngine, tp: TensorParallel) -> int:
-    """A non-zero rank's side: apply rank 0's plans to `engine` and run its steps until rank 0 stops. Returns the
-    number of forward steps run. Anything that fails here raises (torchrun then ends every rank)."""
+def follow(engine: LLMEngine, plans: TensorParallel) -> int:
+    """A non-zero rank's side: apply rank 0's plans (received over `plans`, the CPU plan group) to `engine` and run
+    its steps until rank 0 stops. Returns the number of forward steps run. Anything that fails here raises (torchrun
+    then ends every rank)."""
     import torch
 
-    if tp.rank == 0:
+    if plans.rank == 0:
         raise ValueError("rank 0 drives; the other ranks follow")
     live: dict[int, Request] = {}
     first = engine.stats.steps
@@ -139,16 +145,18 @@ def follow(engine: LLMEngine, tp: TensorParallel) -> int:
         torch.cuda.set_device(engine.device)
     with torch.inference_mode():
         while True:
-            plan: StepPlan = tp.broadcast_object(None)
+            plan: StepPlan = plans.broadcast_object(None)
             for kind, arg in plan.ops:
                 if kind == "add":
                     req = arg.build()
                     live[req.request_id] = req
                     engine.add_request(req)
-                else:
-                    req = live.pop(arg, None)
+                elif kind == "abort":
+                    req = live.pop(arg, None)  # None: it finished here too, and was dropped
                     if req is not None:
                         engine.abort_request(req)
+                else:
+                    raise RuntimeError(f"hf_accel: unknown step-plan operation {kind!r} from rank 0")
             if plan.stop:
                 return engine.stats.steps - first
             if plan.step:

@@ -162,7 +162,8 @@ class _Generation:
         return sum(c.num_tokens for c in self.choices)
 
     def start(self) -> None:
-        """Submit every prompt to the engine. Bad input raises here (ValueError), before anything is generated.
+        """Submit every prompt to the engine. Bad input (ValueError) or what this model cannot serve
+        (NotImplementedError) raises here, before anything is generated.
 
         Sampling asks for `n` sequences in one call (`num_return_sequences`); greedy decoding, which generate()
         refuses to repeat (`num_return_sequences` > 1 needs sampling), makes one call per choice instead.

@@ -51,11 +51,14 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
 
     from hf_accel import accelerate_model
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sharded = world_size() > 1  # under torchrun: transformers places each rank's shard, --device does not apply
+    if sharded and args.device:
+        logger.warning("--device is ignored under torchrun: transformers places each rank's shard (tp_plan='auto')")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if sharded or not args.device else args.device
     name = args.dtype or ("bfloat16" if device.startswith("cuda") else "auto")
     dtype = name if name == "auto" else getattr(torch, name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    if tensor_parallel_size() > 1:  # under torchrun: transformers shards the model over the ranks
+    if sharded:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, tp_plan="auto").eval()
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
@@ -67,7 +70,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def tensor_parallel_size() -> int:
+def world_size() -> int:
     """The number of ranks torchrun started this command on (1 outside torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
@@ -139,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, NotImplementedError) as exc:  # no such checkpoint, a model we cannot accelerate
         print(f"hf-accel serve: cannot serve {args.model}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    if tensor_parallel_size() > 1:
+    if world_size() > 1:
         return _run_tensor_parallel(args, model, tokenizer)
     app = build_app(model, tokenizer, args.served_model_name or args.model,
                     max_queued_requests=args.max_queued_requests)
@@ -153,12 +156,10 @@ def _run_tensor_parallel(args: argparse.Namespace, model: Any, tokenizer: Any) -
     step (engine/tp_driver.py) and returns once rank 0 has shut down."""
     import torch.distributed as dist
 
-    from hf_accel.api import follow_tensor_parallel, lead_tensor_parallel, stop_leading
+    from hf_accel.api import follow_tensor_parallel, lead_tensor_parallel, stop_leading_tensor_parallel
     from hf_accel.serve.app import build_app
 
     rank = dist.get_rank()
-    if args.device:
-        logger.warning("--device is ignored under torchrun: transformers places each rank's shard (tp_plan='auto')")
     if rank != 0:
         # a signal torchrun forwards to every rank must not end a follower before rank 0 has told it to stop
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -178,7 +179,8 @@ def _run_tensor_parallel(args: argparse.Namespace, model: Any, tokenizer: Any) -
                     args.served_model_name or args.model, args.host, args.port, dist.get_world_size())
         serve_app(app, args.host, args.port, log_level=args.log_level)
     finally:
-        if not stop_leading(model, timeout=60):  # a stream left open: end the job rather than leave ranks waiting
+        # a stream left open: end the job rather than leave the other ranks waiting
+        if not stop_leading_tensor_parallel(model, timeout=60):
             logger.error("calls still running 60 s after shutdown; ending the job")
             logging.shutdown()
             os._exit(1)
