@@ -287,3 +287,10 @@ def test_pipeline_on_a_sharded_accelerated_model_equals_unsharded_stock(ranks, f
         entry = rank[family]
         assert entry["pipeline"] == entry["reference_pipeline"]
         assert entry["pipeline_engine_steps"] > 0
+
+
+def test_plans_of_every_size_cross_the_plan_channel_intact(tmp_path):
+    """Empty plans, flags, adds with their sampling parameters, aborts, and plans larger than the channel's fixed
+    buffer (a second broadcast) arrive on rank 1 equal to what rank 0 sent."""
+    follower = run_ranks("channel", tmp_path, timeout=120)[1]
+    assert follower["same"] == [True] * 5

@@ -367,6 +367,29 @@ def lead_fault(out_dir: str) -> None:
         f.write("the call returned although rank 1 had failed")
 
 
+def channel(out_dir: str) -> None:
+    """Plans of every size through the plan channel (one fixed buffer; a second broadcast past it): rank 1 records
+    whether each arrived equal to what rank 0 sent."""
+    from hf_accel.engine.request import SamplingParams
+    from hf_accel.engine.tensor_parallel import TensorParallel
+    from hf_accel.engine.tp_driver import PlanChannel, RequestSpec, StepPlan
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], backend="gloo", use_local_synchronization=True)
+    ch = PlanChannel(TensorParallel(2, rank, group, torch.device("cpu")))
+
+    def spec(i: int, n: int) -> RequestSpec:
+        return RequestSpec(i, list(range(n)), 7, SamplingParams(do_sample=True, seed=i, top_p=0.5),
+                           frozenset({2}), False, True, (0, 0))
+
+    plans = [StepPlan(), StepPlan(step=True, allow_async=True), StepPlan(ops=[("add", spec(1, 10)), ("abort", 1)]),
+             StepPlan(ops=[("add", spec(i, 5000)) for i in range(3)], step=True),  # past the fixed buffer
+             StepPlan(ops=[("abort", 7)], stop=True)]
+    same = [(ch.send(p) if rank == 0 else ch.receive() == p) for p in plans]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"same": same}, f)
+
+
 # llama-3.1-8b layer shapes, 4 layers (as tests/test_gpu_ab.py), and its float32 judgement batch
 GPU_CONFIG = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
                   num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000)
@@ -489,6 +512,8 @@ if __name__ == "__main__":
         lead_fault(out)
     elif mode == "gpu_judge":
         gpu_judge(out)
+    elif mode == "channel":
+        channel(out)
     else:
         fault(mode)
     dist.destroy_process_group()
