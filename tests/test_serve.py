@@ -599,8 +599,9 @@ def test_cli_serves_a_tensor_parallel_model_under_torchrun(ckpt, stock):
             assert r.choices[0].text == ref_text[: ref_text.index(stop)]
         assert one("hello world") == reference(stock, prompt_ids(stock.tok, "hello world"), 12)[0]
         os.kill(_rank_pid(proc.pid, 0), signal.SIGTERM)  # what stops a server; torchrun then sees both ranks end
-        assert proc.wait(timeout=60) == 0
+        code = proc.wait(timeout=60)
         out = proc.stdout.read()
+        assert code == 0, out[-5000:]
         assert "rank 0 stopped serving after" in out, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
     finally:

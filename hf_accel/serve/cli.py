@@ -166,6 +166,7 @@ def _run_tensor_parallel(args: argparse.Namespace, model: Any, tokenizer: Any) -
             signal.signal(sig, signal.SIG_IGN)
         steps = follow_tensor_parallel(model)
         logger.info("rank %d: rank 0 stopped serving after %d steps", rank, steps)
+        _leave_process_group()
         return 0
     lead_tensor_parallel(model)
     try:
@@ -184,7 +185,20 @@ def _run_tensor_parallel(args: argparse.Namespace, model: Any, tokenizer: Any) -
             logger.error("calls still running 60 s after shutdown; ending the job")
             logging.shutdown()
             os._exit(1)
+        _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """Every rank, once rank 0 has stopped leading: meet, then take the process group down together, so no rank
+    exits while another still talks to it."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - the job is ending anyway; say why it did not end cleanly
+        logger.warning("leaving the process group failed: %s: %s", type(exc).__name__, exc)
 
 
 def main(argv: list[str] | None = None) -> int:
