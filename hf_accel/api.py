@@ -200,23 +200,28 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
 
 
 def _apply_quantization_quirks(model, cfg: AccelConfig) -> str | None:
-    """Turn off what the model's quantized modules cannot take (patches/quantization.py), with one log line; returns
-    that line's message, or None when nothing was turned off. The caller's `cfg` is changed in place."""
-    off: list[str] = []
+    """Keep off what the model's quantized modules cannot take (patches/quantization.py); the caller's `cfg` is
+    changed in place. Returns why (None: no quirk applies), the same on every accelerate of the model, a re-accelerate
+    with the options already turned off included; warns once when this call turned something off."""
+    notes: list[str] = []
+    turned_off = False
     for quirk in quantization_quirks(model):
         what = []
-        if cfg.compile and not quirk.compiles:
+        if not quirk.compiles:
+            turned_off |= bool(cfg.compile)
             cfg.compile = False
             what.append("torch.compile")
-        if not quirk.captures and CUDAGraphMode(cfg.cudagraph_mode or "none").value != "none":
+        if not quirk.captures:
+            turned_off |= CUDAGraphMode(cfg.cudagraph_mode or "none").value != "none"
             cfg.cudagraph_mode = CUDAGraphMode.NONE
             what.append("CUDA graphs")
         if what:
-            off.append(f"{' and '.join(what)} off for {quirk.method}: {quirk.why}")
-    if not off:
+            notes.append(f"{' and '.join(what)} off for {quirk.method}: {quirk.why}")
+    if not notes:
         return None
-    message = "; ".join(off)
-    logger.warning("hf_accel: %s", message)
+    message = "; ".join(notes)
+    if turned_off:
+        logger.warning("hf_accel: %s", message)
     return message
 
 
@@ -554,17 +559,12 @@ def available_backends(model=None) -> dict[str, str | None]:
 
 def engine_of(model) -> LLMEngine:
     """The engine behind an accelerated model (for tools and tests: its block manager, scheduler and stats)."""
-    state: AccelState | None = base_model_of(model).__dict__.get(_STATE)
-    if state is None:
-        raise ValueError("model is not accelerated (call accelerate_model first)")
-    return state.engine
+    return _state_of(model).engine
 
 
 def engine_info(model) -> dict[str, Any]:
     """What accelerate_model set up: backend, graph mode, cache sizes and startup timings."""
-    state: AccelState | None = base_model_of(model).__dict__.get(_STATE)
-    if state is None:
-        raise ValueError("model is not accelerated (call accelerate_model first)")
+    state = _state_of(model)
     eng = state.engine
     return {
         "attention_backend": state.backend_name,
@@ -664,10 +664,6 @@ def _reaccelerate(model, state: AccelState) -> AccelState | None:
         model.set_attn_implementation(chosen)
     try:
         accelerate_model(model, config=state.config)
-        new_state: AccelState = model.__dict__[_STATE]
-        if state.extra_info.get("quantization_fallback") and not new_state.extra_info.get("quantization_fallback"):
-            # the options kept already have what the quirk turned off: its reason still holds
-            new_state.extra_info["quantization_fallback"] = state.extra_info["quantization_fallback"]
     except Exception as exc:  # e.g. a dtype no backend runs: stay restored, serve this call stock
         if getattr(state.engine, "tp", None) is not None:  # one rank alone must never run stock: end the job
             raise RuntimeError(f"hf_accel: could not accelerate the changed tensor-parallel model again on this rank "

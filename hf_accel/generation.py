@@ -264,14 +264,12 @@ class EngineGenerator:
                                  "generating with stop strings, you must pass the model's tokenizer to the "
                                  "`tokenizer` argument of `generate`.")
             criteria.append(StopStringCriteria(stop_strings=gc.stop_strings, tokenizer=tokenizer))
-        if getattr(self.engine, "tp", None) is not None and any(isinstance(c, MaxTimeCriteria) for c in criteria):
-            raise NotImplementedError("a MaxTimeCriteria is not supported on a tensor-parallel model: each rank's "
-                                      "clock would stop the call at a different step (stopping criteria must decide "
-                                      "from the tokens alone there)")
-        if gc.max_time is not None and getattr(self.engine, "tp", None) is not None:
-            raise NotImplementedError("max_time is not supported on a tensor-parallel model: each rank's clock would "
-                                      "stop the call at a different step, and the ranks' collectives would no longer "
-                                      "pair up (engine/tensor_parallel.py)")
+        if getattr(self.engine, "tp", None) is not None and (
+                gc.max_time is not None or any(isinstance(c, MaxTimeCriteria) for c in criteria)):
+            raise NotImplementedError("max_time / MaxTimeCriteria is not supported on a tensor-parallel model: each "
+                                      "rank's clock would stop the call at a different step, and the ranks' "
+                                      "collectives would no longer pair up (stopping criteria must decide from the "
+                                      "tokens alone there)")
         deadline = time.monotonic() + gc.max_time if gc.max_time is not None else None
 
         n_ret = max(1, gc.num_return_sequences or 1)

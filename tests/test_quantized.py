@@ -146,3 +146,26 @@ def test_in_place_edit_of_quantized_data_clears_the_prefix_cache(checkpoint, com
             restore(model)
         want = model.generate(prompt, **kw)  # stock, on the edited weights
     assert torch.equal(got, want)
+
+
+def test_a_quirk_reason_survives_a_reaccelerate_with_the_options_it_turned_off(caplog):
+    """The options accelerate_model keeps for a re-accelerate already have compile and graphs off: the reason is
+    still reported (engine_info's fallbacks), and the warning is not repeated."""
+    import types
+
+    from hf_accel.api import _apply_quantization_quirks
+    from hf_accel.config import AccelConfig, CUDAGraphMode
+
+    class Linear8bitLt(torch.nn.Linear):  # stands for bitsandbytes' class, matched by name
+        state = types.SimpleNamespace(threshold=6.0)
+
+    model = torch.nn.Sequential(Linear8bitLt(4, 4))
+    cfg = AccelConfig(compile=True, cudagraph_mode="full_and_piecewise")
+    with caplog.at_level("WARNING", logger="hf_accel"):
+        first = _apply_quantization_quirks(model, cfg)
+        again = _apply_quantization_quirks(model, cfg)
+    assert first == again and "torch.compile and CUDA graphs off" in first
+    assert cfg.compile is False and CUDAGraphMode(cfg.cudagraph_mode) == CUDAGraphMode.NONE
+    assert sum("LLM.int8" in r.getMessage() for r in caplog.records) == 1
+    Linear8bitLt.state = types.SimpleNamespace(threshold=0.0)  # no outlier decomposition: no quirk
+    assert _apply_quantization_quirks(model, AccelConfig(compile=True)) is None

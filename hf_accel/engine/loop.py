@@ -160,7 +160,8 @@ class EngineLoop:
                 raise RuntimeError("hf_accel: the tensor-parallel engine is shutting down")
             self._known[id(call)] = call
             self._incoming.append(call)
-            self._work.set()
+            if self.driver is not None:
+                self._work.set()
             try:
                 self._ensure_thread()
             except BaseException:
@@ -188,7 +189,8 @@ class EngineLoop:
                 call._finish(error)
                 return
             self._aborts.append((call, request, error))
-            self._work.set()
+            if self.driver is not None:
+                self._work.set()
 
     def run_sync(self, call: EngineCall, on_events: Callable[[list[CallEvent]], None] | None = None,
                  before: Callable[[], None] | None = None, *, submitted: bool = False) -> None:
@@ -296,7 +298,8 @@ class EngineLoop:
                 self._thread = None  # under the lock: a submit from now on starts a new thread
                 self._idle.notify_all()
                 return False
-            self._work.clear()
+            if driver is not None:
+                self._work.clear()
         if idle:  # rank 0 driving, nothing to run: wait for work; meanwhile an empty plan keeps the others alive
             assert driver is not None
             if not self._work.wait(HEARTBEAT_S):

@@ -67,15 +67,6 @@ class TensorParallel:
                                    device=self.device if self.device.type == "cuda" else None)
         return str(holder[0])
 
-    def broadcast_object(self, value: Any) -> Any:
-        """Rank 0's picklable `value` on every rank (the other ranks pass anything, e.g. None)."""
-        import torch.distributed as dist
-
-        holder = [value]
-        dist.broadcast_object_list(holder, src=dist.get_global_rank(self.group, 0), group=self.group,
-                                   device=self.device if self.device.type == "cuda" else None)
-        return holder[0]
-
     def broadcast_int(self, value: int) -> int:
         """Rank 0's `value` on every rank (the group's first rank)."""
         import torch.distributed as dist
