@@ -153,13 +153,9 @@ def plain_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
     return parts or None
 
 
-def _plain_bytes(t: torch.Tensor) -> torch.Tensor | None:
-    """A plain tensor's bytes as a flat uint8 view (a copy only if it is not contiguous)."""
+def _plain_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor's bytes (one of `plain_parts`) as a flat uint8 view (a copy only if it is not contiguous)."""
     t = t.detach()
-    if type(t) is not torch.Tensor:
-        t = t.as_subclass(torch.Tensor) if isinstance(t, torch.nn.Parameter) else t
-    if type(t) is not torch.Tensor:
-        return None
     t = t if t.is_contiguous() else t.contiguous()
     return t.reshape(-1).view(torch.uint8)
 
@@ -200,16 +196,10 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     sums: dict[str, list[torch.Tensor]] = {}
     pending: dict[str, tuple[list[torch.Tensor], int]] = {}
     fallback: list[int] = []
-    def readable(t: torch.Tensor) -> list[torch.Tensor] | None:
-        parts = plain_parts(t)
-        if parts is None or any(type(p.detach()) not in (torch.Tensor, torch.nn.Parameter) for p in parts):
-            return None
-        return parts
-
     def byte_views() -> Iterable[torch.Tensor]:
         # one tensor at a time: a non-contiguous weight's contiguous copy lives only while its chunks are built
         for t in tensors:
-            parts = readable(t)
+            parts = plain_parts(t)  # plain tensors only, or None
             if parts is None:
                 fallback.append(int(t._version))
                 continue
