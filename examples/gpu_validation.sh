@@ -118,11 +118,15 @@ case "${1:-tests}" in
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
     for q in ${2:-torchao-int8-weight-only}; do
       # the startup phases (logger hf_accel, INFO) go to the log: where a slow accelerate spends its time
-      timeout 280 python3 -c "import logging, sys; logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s'); \
+      # every 40 s a stack dump of all threads (faulthandler) says where a slow start spends its time
+      timeout "${QUANT_TIMEOUT:-280}" python3 -c "import faulthandler, logging, sys; \
+faulthandler.dump_traceback_later(40, repeat=True); \
+logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s'); \
 sys.argv[0] = 'hf-accel'; from hf_accel.cli import main; sys.exit(main())" bench --workload w1,w2 \
-        --shape llama-3.1-8b --quantization "$q" --anchors eager,static --anchor-repeats 1 --anchor-warmup 0 \
+        --shape llama-3.1-8b --quantization "$q" --anchors "${QUANT_ANCHORS:-eager,static}" --anchor-repeats 1 --anchor-warmup 0 \
         --no-progress --json "$OUT/quant-$q.json" >"$OUT/quant-$q.log" 2>&1
-      echo "== $q"; grep -E "hf_accel  |stock|guard|INVALID|done in|accelerated" "$OUT/quant-$q.log" | cut -c1-160
+      echo "== $q"; grep -E "hf_accel  |stock|guard|INVALID|done in|accelerated|memory|fallbacks" "$OUT/quant-$q.log" \
+        | cut -c1-170
     done ;;
   tp-tests)  # issue 17, on a 2-GPU lease: every backend at TP 2 (graphs with NCCL inside) and the led engine, judged
     # by float32 against stock TP generate() (tests/test_gpu_tensor_parallel.py)

@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import logging
 import pstats
 import time
 
 import torch
 
 from hf_accel import accelerate_model, engine_info
-from hf_accel.bench import build_model, disable_eos, random_prompts, resolve_device
+from hf_accel.bench import build_model, disable_eos, random_prompts, resolve_device, shape_config
+from hf_accel.bench.workloads import quantize_model
 
 
 def main() -> None:
@@ -30,13 +32,34 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--cudagraph-mode", default=None)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--quantization", default="none", help="a bench --quantization method")
+    ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers of the shape")
+    ap.add_argument("--cudagraph-capture-sizes", default=None, help="comma-separated batch sizes")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--log", action="store_true", help="log hf_accel's startup phases (INFO)")
     args = ap.parse_args()
+    if args.log:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = resolve_device(None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(args.shape, None, dtype, device)
+    if args.layers is None:
+        model = build_model(args.shape, None, dtype, device, args.quantization)
+    else:  # fewer layers of the same shape: per-layer kernels and costs in a fraction of the time
+        from transformers import AutoModelForCausalLM
+
+        config = shape_config(args.shape)
+        config.num_hidden_layers = args.layers
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+        model = quantize_model(model, args.quantization, dtype, device)
     disable_eos(model)
     t0 = time.perf_counter()
     kw = {"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else {}
+    if args.cudagraph_capture_sizes:
+        kw["cudagraph_capture_sizes"] = [int(x) for x in args.cudagraph_capture_sizes.split(",")]
+    if args.no_compile:
+        kw["compile"] = False
     accelerate_model(model, attention_backend=args.backend, **kw)
     info = engine_info(model)
     keep = ("attention_backend", "cudagraph_mode", "startup", "compile_error")

@@ -50,3 +50,27 @@ def quantization_quirks(model: torch.nn.Module) -> list[QuantizedLinearQuirk]:
         if quirk is not None and type(module).__name__ not in found and quirk.applies(module):
             found[type(module).__name__] = quirk
     return list(found.values())
+
+
+def int8_weight_only_parts(weight: object) -> tuple[str, str] | None:
+    """For a torchao int8 weight-only weight (`Int8WeightOnlyConfig`: `Int8Tensor` with no activation quantization,
+    one scale per output row or one per tensor), the names of its int8 data and scale attributes; else None.
+
+    Why: under torch.compile, Inductor rewrites the dequantize-then-matmul such a weight desugars into to
+    `aten._weight_int8pack_mm`, whose CUDA kernel is far slower than the bf16 GEMM at decode and prefill sizes (seen
+    on the H200, torch 2.11: 258 ms per W2 step for 4 llama-3.1-8b layers). The compile pass
+    `compilation.small_m_linear.route_int8_weight_only_linears` sends these linears to `hf_accel::int8_weight_linear`
+    instead: the small-M GEMM reading the int8 weight directly, torchao's own arithmetic above it."""
+    if type(weight).__name__ != "Int8Tensor" or not isinstance(weight, torch.Tensor):
+        return None
+    qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    if getattr(weight, "act_quant_kwargs", None) is not None or getattr(weight, "act_pre_scale", None) is not None:
+        return None
+    if not isinstance(qdata, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        return None
+    block = getattr(weight, "block_size", None)
+    if qdata.dtype != torch.int8 or qdata.dim() != 2 or not block or int(block[-1]) != int(qdata.shape[-1]):
+        return None  # per-group scales: torchao dequantizes the whole weight; left to it
+    if scale.numel() not in (1, int(qdata.shape[0])):
+        return None
+    return "qdata", "scale"

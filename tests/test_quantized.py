@@ -83,6 +83,13 @@ def test_greedy_equals_stock_quantized(checkpoint, method, compile):
             else:
                 assert info["compile"] is compile
                 assert not info["fallbacks"]  # compiled, not a silent fallback
+            # torchao int8 weight-only linears leave Inductor's slow int8 GEMM rewrite for our op (7 per layer; the
+            # lm_head too where the checkpoint quantized it); no other method's do
+            routed = info["int8_weight_linears"]
+            if compile and method == "torchao-int8-weight-only":
+                assert routed >= model.config.num_hidden_layers * 7
+            else:
+                assert routed == 0
             out = model.generate(ids, **kw)
             again = model.generate(ids, **kw)  # second call: the prefix cache serves the prompts' KV
             assert torch.equal(out, ref), method
@@ -169,3 +176,38 @@ def test_a_quirk_reason_survives_a_reaccelerate_with_the_options_it_turned_off(c
     assert sum("LLM.int8" in r.getMessage() for r in caplog.records) == 1
     Linear8bitLt.state = types.SimpleNamespace(threshold=0.0)  # no outlier decomposition: no quirk
     assert _apply_quantization_quirks(model, AccelConfig(compile=True)) is None
+
+
+def test_int8_weight_op_computes_what_torchao_computes():
+    """Off the GPU's small-M path the op is torchao's own arithmetic, bit for bit (prefill, CPU)."""
+    from hf_accel.patches.quantization import int8_weight_only_parts
+
+    from hf_accel.ops.quantized_linear import int8_weight_linear
+
+    if "torchao-int8-weight-only" not in METHODS:
+        pytest.skip("torchao's int8 weight-only config is not available")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for bias in (False, True):
+            lin = torch.nn.Linear(64, 48, bias=bias, dtype=dtype)
+            quantize_(lin, Int8WeightOnlyConfig())
+            parts = int8_weight_only_parts(lin.weight)
+            assert parts == ("qdata", "scale")
+            x = torch.randn(2, 5, 64, dtype=dtype)
+            got = int8_weight_linear(x, lin.weight.qdata, lin.weight.scale, lin.bias, False)
+            assert torch.equal(got, torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+def test_int8_weight_recognizer_leaves_other_weights_alone():
+    from hf_accel.patches.quantization import int8_weight_only_parts
+
+    if "torchao-int8-dynamic" not in METHODS:
+        pytest.skip("torchao's int8 configs are not available")
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    lin = torch.nn.Linear(64, 48)
+    assert int8_weight_only_parts(lin.weight) is None  # plain
+    quantize_(lin, Int8DynamicActivationInt8WeightConfig())
+    assert int8_weight_only_parts(lin.weight) is None  # activations quantized too: torchao's int8 x int8 path

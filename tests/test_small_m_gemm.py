@@ -48,6 +48,26 @@ def test_kernel_matches_linear(dtype, m, n, k, block_m, block_n, block_k, split,
     assert (y.float() - ref).abs().max().item() <= _tol(dtype, ref)
 
 
+@pytest.mark.parametrize(("m", "n", "k", "block_m", "block_n", "block_k", "split", "bias"), [
+    (1, 40, 96, 16, 16, 32, 1, False),
+    (3, 70, 200, 16, 32, 64, 2, True),     # the scale applied after the split reduce, before the bias
+    (20, 64, 128, 32, 32, 32, 1, True),
+    (64, 50, 300, 64, 16, 64, 3, False),
+])
+def test_int8_weight_kernel_matches_the_dequantized_linear(m, n, k, block_m, block_n, block_k, split, bias):
+    """int8 weights with one scale per output row (torchao int8 weight-only): widened in registers, scaled once."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    dtype = torch.float16
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
+    s = (torch.rand(n, generator=g) * 0.02 + 0.001).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    y = G.skinny_linear(x, q, b, G.SkinnyConfig(block_m, block_n, block_k, split, 4, 2), scale=s)
+    ref = F.linear(x.float(), q.float() * s.float()[:, None], b.float() if b is not None else None)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert (y.float() - ref).abs().max().item() <= _tol(dtype, ref)
+
+
 def test_kernel_keeps_leading_dims_and_strided_rows():
     x = torch.randn(1, 3, 2 * 64, device=DEVICE)[..., :64]  # rows with a stride of 128
     w = torch.randn(24, 64, device=DEVICE)
@@ -144,6 +164,26 @@ def test_bf16_decode_shapes(use_pdl):
             for cfg in linear_op._candidates(1 if m == 1 else (16 if m <= 16 else 64)):
                 y = G.skinny_linear(x, w, None, cfg, use_pdl)
                 assert (y.float() - ref).abs().max().item() <= _tol(torch.bfloat16, ref), (n, k, m, cfg)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_int8_weight_op_on_decode_shapes(use_pdl):
+    """hf_accel::int8_weight_linear on the llama-3.1-8b decode shapes: the small-M kernel (its own tile choice) at
+    1-64 rows, torchao's arithmetic above; both against the float32 dequantized product."""
+    from hf_accel.ops.quantized_linear import int8_weight_linear
+
+    if use_pdl and not pdl.supported(DEVICE):
+        pytest.skip("PDL needs sm90+ and a triton that exposes it")
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        q = torch.randint(-127, 128, (n, k), device=DEVICE, dtype=torch.int8)
+        s = torch.rand(n, device=DEVICE, dtype=torch.bfloat16) * 0.002 + 1e-4
+        for m in (1, 5, 16, 33, 64, 65, 300):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            ref = F.linear(x.float(), q.float() * s.float()[:, None])
+            y = int8_weight_linear(x, q, s, None, use_pdl)
+            assert (y.float() - ref).abs().max().item() <= _tol(torch.bfloat16, ref), (n, k, m)
 
 
 @gpu

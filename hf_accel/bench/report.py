@@ -63,6 +63,15 @@ def format_report(report: dict[str, Any]) -> str:
         head.append(f"engine: backend={info.get('attention_backend')}  graphs={info.get('cudagraph_mode')}  "
                     f"compile={info.get('compile')}  block_size={info.get('block_size')}  "
                     f"kv_blocks={info.get('num_kv_blocks')}")
+        fallbacks = info.get("fallbacks") or {}
+        if fallbacks:
+            head.append("fallbacks: " + "; ".join(f"{k}: {v}" for k, v in fallbacks.items())[:300])
+    wbytes = model.get("weight_bytes")
+    if wbytes:  # what quantization saves goes to the KV pool: weights and KV blocks side by side
+        kv = info.get("kv_cache_bytes")
+        head.append(f"memory: weights {wbytes / GIB:.2f} GiB ({model.get('quantization') or 'none'})"
+                    + (f"; KV pool {info.get('num_kv_blocks')} blocks = {kv / GIB:.2f} GiB" if kv else ""))
+    if info:
         tune = info.get("backend_autotune")
         if tune and tune.get("timings"):
             scores = ", ".join(f"{k} {v['score']:.3f}" if "score" in v else f"{k} failed"
@@ -123,20 +132,22 @@ def format_report(report: dict[str, Any]) -> str:
                 tgt = ""
                 if name == "ours" and target:
                     tgt = f">= {_num(target)} " + ("met" if ours_ok and ours_ok >= target else "NOT met")
+                peak = rec.get("peak_memory_bytes")
                 rows.append([title if i == 0 else (sub if i == 1 else ""), rec.get("label", name),
-                             f"{fig}", f"{n}", ratio, f"{roof:.1%}" if roof else "", tgt])
+                             f"{fig}", f"{n}", ratio, f"{roof:.1%}" if roof else "",
+                             f"{peak / GIB:.1f}" if peak else "", tgt])
             if len(entry["methods"]) == 1:
-                rows.append([sub, "", "", "", "", "", ""])
+                rows.append([sub, "", "", "", "", "", "", ""])
             if entry.get("roofline_tokens_per_s"):
-                rows.append(["", "HBM roofline", _num(entry["roofline_tokens_per_s"]), "", "", "", ""])
+                rows.append(["", "HBM roofline", _num(entry["roofline_tokens_per_s"]), "", "", "", "", ""])
             if "threads_vs_w2" in entry:
                 ratio, goal = entry["threads_vs_w2"], entry.get("target_threads_vs_w2")
                 verdict = (f">= {goal:.0%} of W2 " + ("met" if ratio is not None and ratio >= goal else "NOT met")
                            if goal else "")
                 rows.append(["", "threads / one W2 call (both ours)",
-                             f"{ratio:.1%}" if ratio is not None else "- (needs w2)", "", "", "", verdict])
+                             f"{ratio:.1%}" if ratio is not None else "- (needs w2)", "", "", "", "", verdict])
         out.append(_table(rows, ["workload", "method", "tokens/s (median)", "runs", "ours/this", "of bandwidth",
-                                 "target"]))
+                                 "peak GiB", "target"]))
         notes = []
         for w, entry in report["workloads"].items():
             for name, rec in entry["methods"].items():

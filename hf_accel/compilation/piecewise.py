@@ -42,7 +42,7 @@ from torch.fx.passes.split_module import split_module
 import hf_accel.attention.op  # noqa: F401  (registers torch.ops.hf_accel.attention)
 from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, weak_ref_tree
 from hf_accel.compilation.linear_packing import merge_packed_linears
-from hf_accel.compilation.small_m_linear import route_small_m_linears
+from hf_accel.compilation.small_m_linear import route_int8_weight_only_linears, route_small_m_linears
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class CompileStats:
     num_graphable: int = 0  # pieces that get CUDA graphs
     num_merged_linears: int = 0  # groups of sibling linears run as one GEMM (linear_packing)
     routed_linears: list[tuple[int, int, bool]] = field(default_factory=list)  # (n, k, bias) via hf_accel::linear
+    int8_weight_linears: int = 0  # torchao int8 weight-only linears via hf_accel::int8_weight_linear
     trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend)
     compile_seconds: float = 0.0  # split + Inductor
     capture_seconds: float = 0.0
@@ -326,6 +327,7 @@ class PiecewiseForward:
             self.stats.num_merged_linears = merge_packed_linears(gm, example_inputs)
         if self.route_linears:
             self.stats.routed_linears = route_small_m_linears(gm, self.pdl)
+        self.stats.int8_weight_linears = route_int8_weight_only_linears(gm, self.pdl)
         split_gm = self._build(gm, example_inputs)
         self.stats.compile_seconds = time.perf_counter() - t0
         if self._tracing_args is not None:

@@ -51,3 +51,36 @@ def route_small_m_linears(gm: torch.fx.GraphModule, use_pdl: bool,
         gm.graph.lint()
         gm.recompile()
     return shapes
+
+
+def route_int8_weight_only_linears(gm: torch.fx.GraphModule, use_pdl: bool) -> int:
+    """Replace linears whose weight is a torchao int8 weight-only tensor by `hf_accel::int8_weight_linear` on its
+    int8 data and scale (`patches.quantization.int8_weight_only_parts` says which, and why); returns how many."""
+    import hf_accel.ops.quantized_linear  # noqa: F401  (registers torch.ops.hf_accel.int8_weight_linear)
+    from hf_accel.patches.quantization import int8_weight_only_parts
+
+    routed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in LINEAR_TARGETS or node.kwargs:
+            continue
+        args = list(node.args) + [None] * (3 - len(node.args))
+        x, w, b = args[:3]
+        wv = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
+        parts = int8_weight_only_parts(wv)
+        if parts is None or (b is not None and not isinstance(b, torch.fx.Node)):
+            continue
+        with gm.graph.inserting_before(node):
+            qdata = gm.graph.call_function(getattr, (w, parts[0]))
+            scale = gm.graph.call_function(getattr, (w, parts[1]))
+            new = gm.graph.call_function(torch.ops.hf_accel.int8_weight_linear.default,
+                                         (x, qdata, scale, b, bool(use_pdl)))
+        qdata.meta["example_value"] = getattr(wv, parts[0])
+        scale.meta["example_value"] = getattr(wv, parts[1])
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        routed += 1
+    if routed:
+        gm.graph.lint()
+        gm.recompile()
+    return routed

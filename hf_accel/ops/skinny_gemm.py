@@ -39,10 +39,10 @@ class SkinnyConfig:
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, K_PER_SPLIT,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -59,19 +59,21 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         else:
             k_ok = (k0 + k + offs_k) < tl.minimum(K, k0 + K_PER_SPLIT)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # int8 weights widen in registers; a no-op for bf16 / fp16
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     mask = m_ok[:, None] & n_ok[None, :]
     if not IS_SPLIT:
+        if HAS_SCALE:  # per-output-row dequantization scale of an int8 weight
+            acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -82,8 +84,8 @@ def _skinny_gemm_kernel(
 
 
 @triton.jit
-def _split_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K, BLOCK: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+def _split_reduce_kernel(part_ptr, b_ptr, s_ptr, y_ptr, M, N, stride_ym, SPLIT_K, BLOCK: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -94,14 +96,20 @@ def _split_reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K, BLOCK
         acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + offs, mask=ok, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
-                  use_pdl: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for `x` of at most `config.block_m` rows (leading dims flattened)."""
+                  use_pdl: bool = False, out: torch.Tensor | None = None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for `x` of at most `config.block_m` rows (leading dims flattened).
+
+    `scale` (one value per output row, contiguous): `weight` is int8 and the product is `(x @ weight^T) * scale`,
+    accumulated in float32 and scaled once before the bias and the cast (int8 weight-only quantization)."""
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -121,17 +129,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(n, config.block_n), split)
     has_bias = bias is not None
+    has_scale = scale is not None
     _skinny_gemm_kernel[grid](
-        x2, weight, bias if has_bias else weight, y, part, m, n, k, k_per_split,
+        x2, weight, bias if has_bias else weight, scale if has_scale else weight, y, part, m, n, k, k_per_split,
         x2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0,
-        IS_SPLIT=split > 1, HAS_BIAS=has_bias and split == 1, USE_PDL=use_pdl,
+        IS_SPLIT=split > 1, HAS_BIAS=has_bias and split == 1, HAS_SCALE=has_scale and split == 1, USE_PDL=use_pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(use_pdl),
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
-            part, bias if has_bias else weight, y, m, n, y.stride(0), SPLIT_K=split, BLOCK=block,
-            HAS_BIAS=has_bias, USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
+            part, bias if has_bias else weight, scale if has_scale else weight, y, m, n, y.stride(0), SPLIT_K=split,
+            BLOCK=block, HAS_BIAS=has_bias, HAS_SCALE=has_scale, USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
         )
     return y.view(*x.shape[:-1], n)
