@@ -237,6 +237,15 @@ def test_graph_signature_ignores_names_not_structure():
 def test_inductor_piecewise_matches_eager_and_fills_compile_cache(tmp_path, monkeypatch):
     """Inductor for real (cold: about a minute on 2 cores); also checks the compile cache directory fills up."""
     monkeypatch.setattr(cache_mod, "source_hash", lambda: "fixed")  # others may edit hf_accel meanwhile
+    # torchao's quantization configs switch coordinate-descent tuning on process-wide; the pieces compile without
+    import torch._inductor.compile_fx as compile_fx_mod
+    import torch._inductor.config as inductor_config
+
+    tuning_on = inductor_config.patch(coordinate_descent_tuning=True)
+    tuning_on.__enter__()
+    seen, real_compile_fx = [], compile_fx_mod.compile_fx
+    monkeypatch.setattr(compile_fx_mod, "compile_fx", lambda *a, **k: (
+        seen.append(inductor_config.coordinate_descent_tuning), real_compile_fx(*a, **k))[1])
     model = make_model("llama", num_layers=3)
     eager = forward_fn_of(model)
     steps = PagedSteps(model)
@@ -250,10 +259,12 @@ def test_inductor_piecewise_matches_eager_and_fills_compile_cache(tmp_path, monk
         assert pf.bypasses_dynamo
         check_against_eager(steps, eager, pf, atol=1e-4)
         assert pf.num_backend_calls == 1
+        assert seen and not any(seen) and inductor_config.coordinate_descent_tuning
         again = setup_compile_cache(str(tmp_path), model.config, torch.float32, [4, 8])
         assert again.path == info.path and again.warm
     finally:
         info.restore_env()
+        tuning_on.__exit__(None, None, None)
 
 
 class _SimulatedGraph:
