@@ -241,30 +241,28 @@ def test_inductor_piecewise_matches_eager_and_fills_compile_cache(tmp_path, monk
     import torch._inductor.compile_fx as compile_fx_mod
     import torch._inductor.config as inductor_config
 
-    tuning_on = inductor_config.patch(coordinate_descent_tuning=True)
-    tuning_on.__enter__()
     seen, real_compile_fx = [], compile_fx_mod.compile_fx
     monkeypatch.setattr(compile_fx_mod, "compile_fx", lambda *a, **k: (
         seen.append(inductor_config.coordinate_descent_tuning), real_compile_fx(*a, **k))[1])
-    model = make_model("llama", num_layers=3)
-    eager = forward_fn_of(model)
-    steps = PagedSteps(model)
-    info = setup_compile_cache(str(tmp_path), model.config, torch.float32, [4, 8])
-    try:
-        assert info.path is not None and not info.warm
-        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(info.path / INDUCTOR_SUBDIR)
-        pf = compile_piecewise(eager, capture_sizes=[4, 8], use_cudagraph=False, compiler="inductor")
-        compile_on_example(steps, pf)
-        assert pf.stats.num_compiled == 3 and pf.stats.num_pieces == 4
-        assert pf.bypasses_dynamo
-        check_against_eager(steps, eager, pf, atol=1e-4)
-        assert pf.num_backend_calls == 1
-        assert seen and not any(seen) and inductor_config.coordinate_descent_tuning
-        again = setup_compile_cache(str(tmp_path), model.config, torch.float32, [4, 8])
-        assert again.path == info.path and again.warm
-    finally:
-        info.restore_env()
-        tuning_on.__exit__(None, None, None)
+    with inductor_config.patch(coordinate_descent_tuning=True):
+        model = make_model("llama", num_layers=3)
+        eager = forward_fn_of(model)
+        steps = PagedSteps(model)
+        info = setup_compile_cache(str(tmp_path), model.config, torch.float32, [4, 8])
+        try:
+            assert info.path is not None and not info.warm
+            assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(info.path / INDUCTOR_SUBDIR)
+            pf = compile_piecewise(eager, capture_sizes=[4, 8], use_cudagraph=False, compiler="inductor")
+            compile_on_example(steps, pf)
+            assert pf.stats.num_compiled == 3 and pf.stats.num_pieces == 4
+            assert pf.bypasses_dynamo
+            check_against_eager(steps, eager, pf, atol=1e-4)
+            assert pf.num_backend_calls == 1
+            assert seen and not any(seen) and inductor_config.coordinate_descent_tuning
+            again = setup_compile_cache(str(tmp_path), model.config, torch.float32, [4, 8])
+            assert again.path == info.path and again.warm
+        finally:
+            info.restore_env()
 
 
 class _SimulatedGraph:

@@ -211,3 +211,84 @@ def test_int8_weight_recognizer_leaves_other_weights_alone():
     assert int8_weight_only_parts(lin.weight) is None  # plain
     quantize_(lin, Int8DynamicActivationInt8WeightConfig())
     assert int8_weight_only_parts(lin.weight) is None  # activations quantized too: torchao's int8 x int8 path
+
+
+def _int8_llama(granularities, seed: int = 6):
+    """A 4-layer tiny llama, layers 0-1 quantized int8 weight-only with `granularities[0]`, 2-3 with `[1]`."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = make_llama(seed=seed, num_hidden_layers=4)
+    for half, granularity in enumerate(granularities):
+        layers = (0, 1) if half == 0 else (2, 3)
+        quantize_(model, Int8WeightOnlyConfig(granularity=granularity),
+                  filter_fn=lambda mod, fqn, ls=layers: isinstance(mod, torch.nn.Linear)
+                  and any(f"layers.{i}." in fqn for i in ls))
+    return model
+
+
+@pytest.mark.parametrize("case", ["per-row-then-per-tensor", "per-group-scales-fp32-then-fp16"])
+def test_layers_quantized_differently_do_not_share_compiled_code(case):
+    """Identical-looking layers share one compiled piece; quantized weights whose inner tensors differ (scale shape
+    or dtype) must not: that once failed the compile (per-row / per-tensor) or gave wrong tokens silently
+    (per-group scales of two dtypes)."""
+    if "torchao-int8-weight-only" not in METHODS:
+        pytest.skip("torchao's int8 weight-only config is not available")
+    from torchao.quantization.granularity import PerGroup, PerRow, PerTensor
+
+    if case == "per-row-then-per-tensor":
+        model = _int8_llama((PerRow(), PerTensor()))
+    else:
+        model = _int8_llama((PerGroup(32), PerGroup(32)))
+        for layer in model.model.layers[2:]:
+            for mod in layer.modules():
+                if isinstance(mod, torch.nn.Linear):
+                    mod.weight.scale = mod.weight.scale.to(torch.float16)
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = model.generate(ids, **kw)
+        accelerate_model(model, compile=True, attention_backend="torch", cudagraph_mode="none")
+        try:
+            assert not engine_info(model)["fallbacks"]
+            assert torch.equal(model.generate(ids, **kw), ref)
+        finally:
+            restore(model)
+
+
+@pytest.mark.parametrize("edit", ["scale-flattened", "qdata-column-major", "scale-float16"])
+def test_rebinding_a_quantized_weights_inner_tensors_rebuilds_the_engine(edit):
+    """`weight.scale = ...` / `weight.qdata = ...` keep the outer parameter (and its shape); the compiled forward was
+    built for the old inner layout, so the next call must rebuild, not fail or read stale memory."""
+    if "torchao-int8-weight-only" not in METHODS:
+        pytest.skip("torchao's int8 weight-only config is not available")
+    import copy
+
+    from torchao.quantization.granularity import PerRow
+
+    model = _int8_llama((PerRow(), PerRow()), seed=2)
+    twin = copy.deepcopy(model)
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+
+    def apply(m):
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.Linear) and type(mod.weight).__name__ == "Int8Tensor":
+                w = mod.weight
+                if edit == "scale-flattened":
+                    w.scale = w.scale.flatten() * 1.5
+                elif edit == "qdata-column-major":
+                    w.qdata = w.qdata.t().contiguous().t()
+                else:
+                    w.scale = w.scale.half()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        accelerate_model(model, compile=True, attention_backend="torch", cudagraph_mode="none")
+        try:
+            model.generate(ids, **kw)
+            apply(model)
+            apply(twin)
+            assert torch.equal(model.generate(ids, **kw), twin.generate(ids, **kw))
+        finally:
+            restore(model)

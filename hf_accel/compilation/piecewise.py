@@ -38,6 +38,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.fx.passes.split_module import split_module
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import hf_accel.attention.op  # noqa: F401  (registers torch.ops.hf_accel.attention)
 from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, weak_ref_tree
@@ -93,8 +94,16 @@ def _is_splitting_node(node: torch.fx.Node, ops: Sequence[Any]) -> bool:
 def _describe(value: Any) -> str:
     """What an input looks like to a compiled piece (shape/stride symbols included), for sharing compiles."""
     if isinstance(value, torch.Tensor):
-        return (f"T({tuple(value.shape)},{value.stride()},{value.storage_offset()},{value.dtype},"
-                f"{value.device},{value.requires_grad})")
+        outer = (f"T({tuple(value.shape)},{value.stride()},{value.storage_offset()},{value.dtype},"
+                 f"{value.device},{value.requires_grad})")
+        if is_traceable_wrapper_subclass(value):
+            # a quantized weight (torchao): the compiled code is specialised to its type, its metadata (block
+            # size, ...) and each inner tensor's layout, not only to the outer shape. Two layers whose scales
+            # differ in shape or dtype must not share one artifact (they once did: an assertion, or wrong tokens)
+            names, ctx = value.__tensor_flatten__()
+            inner = ",".join(f"{n}={_describe(getattr(value, n))}" for n in names)
+            return f"{outer}:{type(value).__qualname__}[{ctx!r}]({inner})"
+        return outer
     if isinstance(value, torch.SymInt):
         return f"S({value.node.expr})"
     return f"C({type(value).__name__}:{value!r})"

@@ -104,7 +104,7 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
             if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
-            params.append((id(p), p.data_ptr(), p.shape, p.dtype, p.device))
+            params.append((id(p), p.data_ptr(), p.shape, p.dtype, p.device, _inner_layout(p)))
             versions.append(p._version)
             tensors.append(p)
         # the training flag is left out: a call in training mode with dropout takes the stock path (api)
@@ -120,6 +120,27 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
              tuple(torch.nn.modules.module._global_forward_pre_hooks.items()))
     return ModelSnapshot(engine=engine, structure=(tuple(params), tuple(modules), tuple(attributes), hooks),
                          versions=tuple(versions), tensors=tensors)
+
+
+def _inner_layout(p: torch.Tensor) -> tuple:
+    """A tensor subclass's inner tensors as the compiled code sees them (identity, address, shape, stride, dtype);
+    () for a plain tensor. A quantized weight's outer tensor keeps its identity and shape when its `qdata` or
+    `scale` is replaced (and its data_ptr is 0), but the compiled forward and the CUDA graphs were built for the
+    old parts: rebinding one must rebuild the engine, as replacing the parameter does."""
+    if type(p) in (torch.Tensor, torch.nn.Parameter):
+        return ()
+    flatten = getattr(p, "__tensor_flatten__", None)  # no detach(): that dispatches through the subclass, per call
+    try:
+        names = flatten()[0] if flatten is not None else ()
+    except Exception:
+        names = ()
+    out: list = [type(p)]
+    for name in names:
+        inner = getattr(p, name, None)
+        if isinstance(inner, torch.Tensor):
+            out.append((name, *_inner_layout(inner)) if type(inner) not in (torch.Tensor, torch.nn.Parameter)
+                       else (name, id(inner), inner.data_ptr(), inner.shape, inner.stride(), inner.dtype))
+    return tuple(out)
 
 
 _CHUNK_BYTES = 256 << 20  # bytes summed per reduction: few kernel launches, a bounded temporary
