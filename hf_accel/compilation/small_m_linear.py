@@ -9,6 +9,8 @@ until `ops.linear.tune_linears` has run.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.fx
 
@@ -17,20 +19,24 @@ from hf_accel.compilation.linear_packing import LINEAR_TARGETS, is_dense
 ROUTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _linear_calls(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, tuple, tuple]]:
+    """Each `F.linear`-like call of the graph: the node, its (input, weight, bias) arguments (bias None when
+    absent) and their example values (None where an argument is not a node)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in LINEAR_TARGETS or node.kwargs:
+            continue
+        args = (list(node.args) + [None] * 3)[:3]
+        yield node, tuple(args), tuple(a.meta.get("example_value") if isinstance(a, torch.fx.Node) else None
+                                       for a in args)
+
+
 def route_small_m_linears(gm: torch.fx.GraphModule, use_pdl: bool,
                           allow_cpu: bool = False) -> list[tuple[int, int, bool]]:
     """Replace eligible linear calls by `hf_accel::linear`; returns the (n, k, has_bias) weight shapes routed."""
     import hf_accel.ops.linear  # noqa: F401  (registers torch.ops.hf_accel.linear)
 
     shapes: list[tuple[int, int, bool]] = []
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in LINEAR_TARGETS or node.kwargs:
-            continue
-        args = list(node.args) + [None] * (3 - len(node.args))
-        x, w, b = args[:3]
-        xv = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
-        wv = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
-        bv = b.meta.get("example_value") if isinstance(b, torch.fx.Node) else None
+    for node, (x, w, b), (xv, wv, bv) in _linear_calls(gm):
         if not (is_dense(xv) and is_dense(wv)) or (b is not None and not is_dense(bv)):
             continue
         if wv.dim() != 2 or wv.dtype not in ROUTED_DTYPES or xv.dtype != wv.dtype:
@@ -60,12 +66,7 @@ def route_int8_weight_only_linears(gm: torch.fx.GraphModule, use_pdl: bool) -> i
     from hf_accel.patches.quantization import int8_weight_only_parts
 
     routed = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in LINEAR_TARGETS or node.kwargs:
-            continue
-        args = list(node.args) + [None] * (3 - len(node.args))
-        x, w, b = args[:3]
-        wv = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
+    for node, (x, w, b), (_, wv, _) in _linear_calls(gm):
         parts = int8_weight_only_parts(wv)
         if parts is None or (b is not None and not isinstance(b, torch.fx.Node)):
             continue
