@@ -44,11 +44,13 @@ def _quantization_config(method: str):
         torchao = pytest.importorskip("torchao")
         from torchao import quantization as q
 
+        from hf_accel.bench.workloads import torchao_config
+
         made = {"torchao-int8-weight-only": "Int8WeightOnlyConfig", "torchao-int4-weight-only": "Int4WeightOnlyConfig",
                 "torchao-float8-dynamic": "Float8DynamicActivationFloat8WeightConfig"}[method]
         if not hasattr(q, made):
             pytest.skip(f"torchao {torchao.__version__} has no {made}")
-        return TorchAoConfig(getattr(q, made)())
+        return TorchAoConfig(torchao_config(method))  # the bench's: int4 in the tinygemm (tile-packed) layout
     if method.startswith("bnb-"):
         pytest.importorskip("bitsandbytes")
         if method == "bnb-nf4":

@@ -221,13 +221,16 @@ QUANTIZATION_METHODS = ("none", "torchao-int8-weight-only", "torchao-int4-weight
                         "bnb-nf4", "bnb-int8", "fp8")
 
 
-def _torchao_config(method: str):
+def torchao_config(method: str):
+    """torchao's quantization config for a `torchao-*` method of QUANTIZATION_METHODS."""
     from torchao import quantization as q
 
     if method == "torchao-int8-weight-only":
         return q.Int8WeightOnlyConfig()
     if method == "torchao-int4-weight-only":
-        return q.Int4WeightOnlyConfig()
+        # the tile-packed layout runs on core torch's tinygemm kernel (`aten._weight_int4pack_mm`, CUDA sm80+);
+        # torchao's default ("plain") needs the separate `mslk` package, which the test machine cannot install
+        return q.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
     if method == "torchao-float8-dynamic":
         return q.Float8DynamicActivationFloat8WeightConfig()
     raise ValueError(method)
@@ -252,7 +255,7 @@ def quantize_model(model, method: str, dtype: torch.dtype, device: torch.device)
     if method.startswith("torchao-"):
         from torchao.quantization import quantize_
 
-        quantize_(model, _torchao_config(method))
+        quantize_(model, torchao_config(method))
         return model
     import tempfile
 
