@@ -580,8 +580,9 @@ def engine_info(model) -> dict[str, Any]:
         "small_m_gemm": eng.compile_info.get("small_m_gemm"),
         "packed_linear_groups": state.packed_linears.groups if state.packed_linears is not None else 0,
         # torchao int8 weight-only linears the compiled forward runs through hf_accel::int8_weight_linear
-        "int8_weight_linears": (eng.runner.piecewise.stats.int8_weight_linears
+        "int8_weight_linears": (len(eng.runner.piecewise.stats.int8_weight_linears)
                                 if getattr(eng.runner, "piecewise", None) is not None else 0),
+        "int8_gemm": eng.compile_info.get("int8_gemm"),
         # what was turned off at startup and why (e.g. a quantized module that a CUDA graph cannot capture)
         "fallbacks": {**{k: eng.compile_info[k] for k in ("compile_error", "capture_error") if k in eng.compile_info},
                       **({"quantization": state.extra_info["quantization_fallback"]}

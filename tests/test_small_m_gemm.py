@@ -68,6 +68,31 @@ def test_int8_weight_kernel_matches_the_dequantized_linear(m, n, k, block_m, blo
     assert (y.float() - ref).abs().max().item() <= _tol(dtype, ref)
 
 
+def test_int8_candidates_fit_their_bucket_and_the_op_follows_a_decision(monkeypatch):
+    """Tuned int8 tiles hold the bucket's rows; the op takes a stored decision for its (shape, bucket) and the
+    tile rule otherwise (the kernel itself needs CUDA; here the choice is checked)."""
+    from hf_accel.ops import quantized_linear
+
+    for bucket in linear_op.M_BUCKETS:
+        cands = linear_op._candidates(bucket, int8=True)
+        assert cands and all(c.block_m >= bucket for c in cands)
+        assert {c.block_k for c in cands} != {c.block_k for c in linear_op._candidates(bucket)}  # longer K tiles
+    monkeypatch.setattr(linear_op, "_index", lambda device: 0)
+    monkeypatch.setattr(quantized_linear, "default_config", lambda m, n, k, device: ("rule", m))
+    linear_op.clear_decisions()
+    tuned = G.SkinnyConfig(16, 64, 512, 2, 4, 4)
+    key_dtype = linear_op.int8_key_dtype(torch.bfloat16)
+    linear_op._decisions[linear_op._key(torch.device("cpu"), key_dtype, 48, 64, False, 16)] = tuned
+    try:
+        x = torch.randn(5, 64, dtype=torch.bfloat16)
+        assert quantized_linear._tile_config(x, 5, 48, 64, False) is tuned  # 5 rows: bucket 16
+        assert quantized_linear._tile_config(x, 1, 48, 64, False) == ("rule", 1)  # bucket 1: not tuned
+        assert quantized_linear._tile_config(x, 5, 48, 64, True) == ("rule", 5)  # with a bias: another shape
+        assert quantized_linear._tile_config(x.half(), 5, 48, 64, False) == ("rule", 5)  # fp16: another key
+    finally:
+        linear_op.clear_decisions()
+
+
 def test_kernel_keeps_leading_dims_and_strided_rows():
     x = torch.randn(1, 3, 2 * 64, device=DEVICE)[..., :64]  # rows with a stride of 128
     w = torch.randn(24, 64, device=DEVICE)
@@ -241,6 +266,37 @@ def test_tuner_decides_and_the_op_follows(tmp_path):
     # a second process would read the file: drop the memory and re-tune from it
     linear_op.clear_decisions()
     again = linear_op.tune_linears(shapes, torch.bfloat16, DEVICE, use_pdl=pdl.supported(DEVICE),
+                                   cache_dir=tmp_path)
+    assert again["tuned"] == 0 and again["from_cache"] == len(shapes) * len(linear_op.M_BUCKETS)
+    linear_op.clear_decisions()
+
+
+@gpu
+@pytest.mark.gpu
+def test_int8_tuner_decides_and_the_op_follows(tmp_path):
+    """int8 weights: the tuner times the tile rule against the candidates per shape and bucket, remembers the
+    decisions on disk, and hf_accel::int8_weight_linear runs them (results still the dequantized product)."""
+    from hf_accel.ops.quantized_linear import int8_weight_linear
+
+    linear_op.clear_decisions()
+    shapes = [(1024, 2048, False), (4096, 1024, True)]
+    report = linear_op.tune_linears(shapes, torch.bfloat16, DEVICE, use_pdl=pdl.supported(DEVICE), int8=True,
+                                    cache_dir=tmp_path, scratch_bytes=32 << 20)
+    assert report["tuned"] == len(shapes) * len(linear_op.M_BUCKETS)
+    decisions = linear_op.decisions_for(shapes, DEVICE, linear_op.int8_key_dtype(torch.bfloat16))
+    assert len(decisions) == len(shapes) * len(linear_op.M_BUCKETS)
+    assert not linear_op.decisions_for(shapes, DEVICE, torch.bfloat16)  # bf16 decisions are separate
+    for n, k, has_bias in shapes:
+        q = torch.randint(-127, 128, (n, k), device=DEVICE, dtype=torch.int8)
+        s = torch.rand(n, device=DEVICE, dtype=torch.bfloat16) * 0.002 + 1e-4
+        b = torch.randn(n, device=DEVICE, dtype=torch.bfloat16) if has_bias else None
+        for m in (1, 5, 16, 40, 64, 65):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            ref = F.linear(x.float(), q.float() * s.float()[:, None], b.float() if b is not None else None)
+            y = int8_weight_linear(x, q, s, b, False)
+            assert (y.float() - ref).abs().max().item() <= _tol(torch.bfloat16, ref), (n, k, m)
+    linear_op.clear_decisions()
+    again = linear_op.tune_linears(shapes, torch.bfloat16, DEVICE, use_pdl=pdl.supported(DEVICE), int8=True,
                                    cache_dir=tmp_path)
     assert again["tuned"] == 0 and again["from_cache"] == len(shapes) * len(linear_op.M_BUCKETS)
     linear_op.clear_decisions()

@@ -60,7 +60,8 @@ class CompileStats:
     num_graphable: int = 0  # pieces that get CUDA graphs
     num_merged_linears: int = 0  # groups of sibling linears run as one GEMM (linear_packing)
     routed_linears: list[tuple[int, int, bool]] = field(default_factory=list)  # (n, k, bias) via hf_accel::linear
-    int8_weight_linears: int = 0  # torchao int8 weight-only linears via hf_accel::int8_weight_linear
+    # (n, k, bias) of each torchao int8 weight-only linear run through hf_accel::int8_weight_linear
+    int8_weight_linears: list[tuple[int, int, bool]] = field(default_factory=list)
     trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend)
     compile_seconds: float = 0.0  # split + Inductor
     capture_seconds: float = 0.0

@@ -59,13 +59,14 @@ def route_small_m_linears(gm: torch.fx.GraphModule, use_pdl: bool,
     return shapes
 
 
-def route_int8_weight_only_linears(gm: torch.fx.GraphModule, use_pdl: bool) -> int:
+def route_int8_weight_only_linears(gm: torch.fx.GraphModule, use_pdl: bool) -> list[tuple[int, int, bool]]:
     """Replace linears whose weight is a torchao int8 weight-only tensor by `hf_accel::int8_weight_linear` on its
-    int8 data and scale (`patches.quantization.int8_weight_only_parts` says which, and why); returns how many."""
+    int8 data and scale (`patches.quantization.int8_weight_only_parts` says which, and why); returns the (n, k,
+    has_bias) weight shapes routed, one per linear."""
     import hf_accel.ops.quantized_linear  # noqa: F401  (registers torch.ops.hf_accel.int8_weight_linear)
     from hf_accel.patches.quantization import int8_weight_only_parts
 
-    routed = 0
+    routed: list[tuple[int, int, bool]] = []
     for node, (x, w, b), (_, wv, _) in _linear_calls(gm):
         parts = int8_weight_only_parts(wv)
         if parts is None or (b is not None and not isinstance(b, torch.fx.Node)):
@@ -80,7 +81,8 @@ def route_int8_weight_only_linears(gm: torch.fx.GraphModule, use_pdl: bool) -> i
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        routed += 1
+        n, k = getattr(wv, parts[0]).shape
+        routed.append((int(n), int(k), b is not None))
     if routed:
         gm.graph.lint()
         gm.recompile()

@@ -335,6 +335,20 @@ class ModelRunner:
                 report["decisions"] = decisions_for(shapes, self.device, dtype)
                 info["small_m_gemm"] = report
                 info["small_m_gemm_s"] = report["seconds"]
+            if self.piecewise is not None and self.piecewise.route_linears and self.piecewise.stats.int8_weight_linears:
+                from hf_accel.ops.linear import decisions_for, int8_key_dtype, tune_linears
+
+                shapes = self.piecewise.stats.int8_weight_linears
+                phase("tune int8 GEMMs", f"{len(set(shapes))} int8 weight shapes; remembered in the compile cache")
+                try:
+                    report = tune_linears(shapes, dtype, self.device, use_pdl=pdl, int8=True,
+                                          cache_dir=cache.path if cache.path else None)
+                    report["decisions"] = decisions_for(shapes, self.device, int8_key_dtype(dtype))
+                except Exception as exc:  # tuning is an optimisation: the tile rule still runs every shape
+                    logger.warning("hf_accel: tuning the int8 GEMMs failed (%s: %s); the default tiles run",
+                                   type(exc).__name__, exc)
+                    report = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                info["int8_gemm"] = report
 
         def capture_graphs() -> None:
             if compile:

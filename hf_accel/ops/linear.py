@@ -59,12 +59,12 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _key(device: torch.device, dtype: torch.dtype, n: int, k: int, has_bias: bool, bucket: int) -> tuple:
+def _key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, bucket: int) -> tuple:
     """The in-memory key: cheap to build, since the op builds one per call of a step that is not replayed."""
     return (_index(device), dtype, n, k, has_bias, bucket)
 
 
-def _stored_key(device: torch.device, dtype: torch.dtype, n: int, k: int, has_bias: bool, bucket: int,
+def _stored_key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, bucket: int,
                 use_pdl: bool) -> str:
     """The on-disk key: the GPU by name (the cache directory may move between machines), the tuning version."""
     name = torch.cuda.get_device_name(_index(device))
@@ -102,8 +102,10 @@ def clear_decisions() -> None:
         _decisions.clear()
 
 
-def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device, dtype: torch.dtype) -> dict:
-    """The current decision per (n, k, bias, bucket): a config dict, or None for cuBLAS (missing: never tuned)."""
+def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device,
+                  dtype: torch.dtype | tuple) -> dict:
+    """The current decision per (n, k, bias, bucket): a config dict, or "cublas" for the baseline (missing: never
+    tuned). `dtype`: the activations' dtype, or `int8_key_dtype(dtype)` for int8 weights (baseline: the tile rule)."""
     out = {}
     for n, k, has_bias in shapes:
         for b in M_BUCKETS:
@@ -115,16 +117,24 @@ def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device,
 
 
 # ------------------------------------------------------------------------------------------------------------ tuning
-def _candidates(bucket: int) -> list:
+def _candidates(bucket: int, int8: bool = False) -> list:
+    """Tile shapes to time. An int8 weight tile holds twice the K of a bf16 one in the same bytes, so its K tiles are
+    longer (a config that does not fit shared memory fails to compile and is skipped)."""
     from hf_accel.ops.skinny_gemm import SkinnyConfig
 
     if bucket <= 16:
-        tiles = ((32, 256), (64, 128), (128, 128), (16, 512))
+        tiles = (((32, 512), (64, 256), (128, 256), (32, 1024)) if int8
+                 else ((32, 256), (64, 128), (128, 128), (16, 512)))
         block_m = 16
     else:
-        tiles = ((32, 128), (64, 64), (64, 128), (128, 64))
+        tiles = ((32, 256), (64, 128), (128, 128), (128, 64)) if int8 else ((32, 128), (64, 64), (64, 128), (128, 64))
         block_m = 64
     return [SkinnyConfig(block_m, bn, bk, split, 4, 4) for bn, bk in tiles for split in (1, 2, 4, 8)]
+
+
+def int8_key_dtype(dtype: torch.dtype) -> tuple:
+    """The dtype slot of a decision key for an int8 weight with `dtype` activations (hf_accel::int8_weight_linear)."""
+    return (torch.int8, dtype)
 
 
 def time_in_graph(fn, reps: int = 16, samples: int = 5) -> float:
@@ -156,17 +166,26 @@ def time_in_graph(fn, reps: int = 16, samples: int = 5) -> float:
 
 
 def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, device: torch.device,
-              use_pdl: bool, scratch_bytes: int):
-    """Time cuBLAS and the candidates for one weight shape at M = bucket; the winner's config, or None (cuBLAS)."""
+              use_pdl: bool, scratch_bytes: int, int8: bool = False):
+    """Time the baseline and the candidates for one weight shape at M = bucket; the winner's config, or None (the
+    baseline). bf16 / fp16 weights: the baseline is cuBLAS. int8 weights (`int8`, one scale per row): the baseline is
+    `quantized_linear.default_config`'s tile rule, since no cuBLAS path reads int8 weights with bf16 activations."""
     from hf_accel.ops.skinny_gemm import skinny_linear
 
-    nbytes = n * k * torch.empty((), dtype=dtype).element_size()
+    wdtype = torch.int8 if int8 else dtype
+    nbytes = n * k * torch.empty((), dtype=wdtype).element_size()
     copies = max(1, min(16, -(-scratch_bytes // nbytes)))
-    weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
+    if int8:
+        weights = [torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8) for _ in range(copies)]
+        scale = torch.rand(n, device=device, dtype=dtype) * 2e-3 + 1e-4
+    else:
+        weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
+        scale = None
     bias = torch.randn(n, device=device, dtype=dtype) if has_bias else None
     x = torch.randn(bucket, k, device=device, dtype=dtype)
     rows = min(n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
-    ref = F.linear(x.float(), weights[0][:rows].float(), bias[:rows].float() if bias is not None else None)
+    w_ref = weights[0][:rows].float() * (scale[:rows, None].float() if int8 else 1.0)
+    ref = F.linear(x.float(), w_ref, bias[:rows].float() if bias is not None else None)
     tol = 0.05 * ref.abs().max().item() + 1e-3
 
     def cycling(call):
@@ -178,18 +197,25 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
             return call(w)
         return fn
 
-    best_cfg, best_t = None, time_in_graph(cycling(lambda w: F.linear(x, w, bias)))
+    if int8:
+        from hf_accel.ops.quantized_linear import default_config
+
+        base = default_config(bucket, n, k, device)
+        baseline = cycling(lambda w: skinny_linear(x, w, bias, base, use_pdl, scale=scale))
+    else:
+        baseline = cycling(lambda w: F.linear(x, w, bias))
+    best_cfg, best_t = None, time_in_graph(baseline)
     cublas_t = best_t
-    for cfg in _candidates(bucket):
+    for cfg in _candidates(bucket, int8):
         if cfg.split_k > 1 and k // (cfg.split_k * cfg.block_k) < 1:
             continue
         try:
-            out = skinny_linear(x, weights[0], bias, cfg, use_pdl)[:, :rows].float()
+            out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale)[:, :rows].float()
             err = (out - ref).abs().max().item()
             if not err <= tol:  # a broken config must never win (NaN included)
                 logger.warning("hf_accel: small-M GEMM config %s gave error %.3g on %dx%d; skipped", cfg, err, n, k)
                 continue
-            t = time_in_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl)))
+            t = time_in_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl, scale=scale)))
         except Exception as exc:  # a config that does not compile on this GPU / triton
             logger.debug("small-M GEMM config %s failed: %s", cfg, exc)
             continue
@@ -202,11 +228,14 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
 
 def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, device: torch.device, *,
                  use_pdl: bool, cache_dir: str | os.PathLike | None = None,
-                 scratch_bytes: int = 128 << 20) -> dict:
+                 scratch_bytes: int = 128 << 20, int8: bool = False) -> dict:
     """Decide cuBLAS vs small-M GEMM for each weight shape and M bucket (see the module docstring); returns a report.
 
     `cache_dir`: where decisions are remembered across processes (the compile cache directory); None: memory only.
+    `int8`: the shapes are int8 weights with `dtype` activations (torchao int8 weight-only, `quantized_linear`):
+    the small-M GEMM's tile rule against the candidates, decisions under `int8_key_dtype(dtype)`.
     """
+    key_dtype = int8_key_dtype(dtype) if int8 else dtype
     t0 = time.perf_counter()
     shapes = sorted(set(shapes))
     path = Path(cache_dir) / TUNE_FILE if cache_dir else None
@@ -223,8 +252,8 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
     with _lock:
         for n, k, has_bias in shapes:
             for bucket in M_BUCKETS:
-                key = _key(device, dtype, n, k, has_bias, bucket)
-                skey = _stored_key(device, dtype, n, k, has_bias, bucket, use_pdl)
+                key = _key(device, key_dtype, n, k, has_bias, bucket)
+                skey = _stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl)
                 if key in _decisions:
                     cfg = _decisions[key]
                 elif skey in stored:
@@ -232,11 +261,12 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
                     cfg = SkinnyConfig(**entry) if isinstance(entry, dict) else None
                     report["from_cache"] += 1
                 else:
-                    cfg, cublas_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes)
+                    cfg, cublas_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes,
+                                                      int8)
                     stored[skey] = asdict(cfg) if cfg is not None else None
                     tuned += 1
-                    logger.debug("small-M GEMM %dx%d m<=%d: cuBLAS %.2f us, best %.2f us -> %s", n, k, bucket,
-                                 cublas_t * 1e6, best_t * 1e6, cfg or "cuBLAS")
+                    logger.debug("small-M GEMM %dx%d%s m<=%d: baseline %.2f us, best %.2f us -> %s", n, k,
+                                 " int8" if int8 else "", bucket, cublas_t * 1e6, best_t * 1e6, cfg or "baseline")
                 _decisions[key] = cfg
                 report["ours" if cfg is not None else "cublas"] += 1
     report["tuned"] = tuned

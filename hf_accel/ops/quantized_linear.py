@@ -14,9 +14,10 @@ import torch
 _skinny = None  # hf_accel.ops.skinny_gemm, imported on first CUDA use (it imports triton at the top)
 
 
-def _config(m: int, n: int, k: int, device: torch.device):
-    """A tile shape for `m` rows: M padded to the tensor-core minimum, K tiles of 256 int8 bytes (128 for 64 rows,
-    to fit shared memory), and K split until there are about two programs per SM."""
+def default_config(m: int, n: int, k: int, device: torch.device):
+    """The tile rule used where nothing was tuned (and the tuner's baseline): M padded to the tensor-core minimum, K
+    tiles of 256 int8 bytes (128 for 64 rows, to fit shared memory), and K split until there are about two programs
+    per SM."""
     from hf_accel.ops.skinny_gemm import SkinnyConfig
 
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -55,8 +56,20 @@ def int8_weight_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor
         if m <= _skinny.MAX_M:
             s = scale.reshape(-1)
             s = (s.expand(n) if s.numel() == 1 else s).contiguous()
-            return _skinny.skinny_linear(x, qdata, bias, _config(m, n, k, x.device), use_pdl, scale=s)
+            return _skinny.skinny_linear(x, qdata, bias, _tile_config(x, m, n, k, bias is not None), use_pdl,
+                                         scale=s)
     return reference_int8_weight_linear(x, qdata, scale, bias)
+
+
+def _tile_config(x: torch.Tensor, m: int, n: int, k: int, has_bias: bool):
+    """The tuned tile shape for this weight shape and row bucket (`linear.tune_linears(..., int8=True)`, run at
+    warm-up when the small-M GEMM is on), else the tile rule."""
+    from hf_accel.ops import linear as linear_op
+
+    bucket = linear_op._bucket(m)
+    cfg = linear_op._decisions.get(linear_op._key(x.device, linear_op.int8_key_dtype(x.dtype), n, k, has_bias,
+                                                  bucket)) if bucket is not None else None
+    return cfg if cfg is not None else default_config(m, n, k, x.device)
 
 
 @int8_weight_linear.register_fake
