@@ -7,6 +7,7 @@ that loop. `check_request` alone may be called from anywhere (it reads nothing t
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -199,6 +200,10 @@ class LLMEngine:
             want = self.max_blocks_per_seq * min(self.cfg.max_num_seqs, 64) + 1
             return max(one_seq, min(want, CPU_KV_CACHE_BYTES // per_block))
         torch.cuda.synchronize(self.device)
+        # memory the caching allocator holds but no tensor uses (a model quantized in place on the GPU leaves its
+        # bf16 weights' blocks there) is free for the KV pool, not "used": hand it back before reading the driver
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak_activation = self._profile_activation_bytes()
         used = total - free
