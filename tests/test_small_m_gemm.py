@@ -89,6 +89,10 @@ def test_int8_candidates_fit_their_bucket_and_the_op_follows_a_decision(monkeypa
         assert quantized_linear._tile_config(x, 1, 48, 64, False) == ("rule", 1)  # bucket 1: not tuned
         assert quantized_linear._tile_config(x, 5, 48, 64, True) == ("rule", 5)  # with a bias: another shape
         assert quantized_linear._tile_config(x.half(), 5, 48, 64, False) == ("rule", 5)  # fp16: another key
+        wide = G.SkinnyConfig(64, 64, 128, 1, 4, 4)
+        linear_op._decisions[linear_op._key(torch.device("cpu"), key_dtype, 48, 64, False, 64)] = wide
+        assert quantized_linear._tile_config(x, 40, 48, 64, False) is wide
+        assert quantized_linear._tile_config(x, 20, 48, 64, False) == ("rule", 20)  # 17-32 rows: the rule's tile
     finally:
         linear_op.clear_decisions()
 

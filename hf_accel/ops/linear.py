@@ -41,7 +41,9 @@ M_BUCKETS = (1, 16, 64)
 # (not yet A/B-tested in one run), so only clear wins (qwen3-0.6b's narrow o/down projections: 12-25 %) are taken
 MIN_GAIN = {1: 0.03, 16: 0.03, 64: 0.10}
 TUNE_FILE = "small_m_gemm.json"
-TUNE_VERSION = 2  # part of every stored key: decisions of older candidate sets or thresholds are not reused
+# part of every stored key: decisions of older candidate sets or thresholds are not reused (bump it when the
+# candidates, MIN_GAIN or the int8 tile rule `quantized_linear.default_config` change)
+TUNE_VERSION = 2
 
 # (device index, dtype, n, k, has_bias, bucket) -> SkinnyConfig | None (None: cuBLAS); on disk the device is named
 _decisions: dict[tuple, object] = {}
@@ -112,7 +114,8 @@ def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device,
             key = _key(device, dtype, n, k, has_bias, b)
             if key in _decisions:
                 cfg = _decisions[key]
-                out[f"{n}x{k}{'+b' if has_bias else ''}@m{b}"] = asdict(cfg) if cfg is not None else "cublas"
+                out[f"{n}x{k}{'+b' if has_bias else ''}@m{b}"] = (
+                    asdict(cfg) if cfg is not None else "tile rule" if isinstance(dtype, tuple) else "cublas")
     return out
 
 
@@ -129,7 +132,10 @@ def _candidates(bucket: int, int8: bool = False) -> list:
     else:
         tiles = ((32, 256), (64, 128), (128, 128), (128, 64)) if int8 else ((32, 128), (64, 64), (64, 128), (128, 64))
         block_m = 64
-    return [SkinnyConfig(block_m, bn, bk, split, 4, 4) for bn, bk in tiles for split in (1, 2, 4, 8)]
+    # stages: 2 for the 1024-long int8 K tile, whose 4-stage buffers would pass 228 KB of shared memory wherever
+    # triton pipelines these loads
+    return [SkinnyConfig(block_m, bn, bk, split, 4, 2 if bk >= 1024 else 4)
+            for bn, bk in tiles for split in (1, 2, 4, 8)]
 
 
 def int8_key_dtype(dtype: torch.dtype) -> tuple:
@@ -248,38 +254,45 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
     from hf_accel.ops.skinny_gemm import SkinnyConfig
 
     tuned = 0
-    report: dict = {"tuned": 0, "from_cache": 0, "ours": 0, "cublas": 0}
-    with _lock:
-        for n, k, has_bias in shapes:
-            for bucket in M_BUCKETS:
-                key = _key(device, key_dtype, n, k, has_bias, bucket)
-                skey = _stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl)
-                if key in _decisions:
-                    cfg = _decisions[key]
-                elif skey in stored:
-                    entry = stored[skey]
-                    cfg = SkinnyConfig(**entry) if isinstance(entry, dict) else None
-                    report["from_cache"] += 1
-                else:
-                    cfg, cublas_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes,
-                                                      int8)
-                    stored[skey] = asdict(cfg) if cfg is not None else None
-                    tuned += 1
-                    logger.debug("small-M GEMM %dx%d%s m<=%d: baseline %.2f us, best %.2f us -> %s", n, k,
-                                 " int8" if int8 else "", bucket, cublas_t * 1e6, best_t * 1e6, cfg or "baseline")
-                _decisions[key] = cfg
-                report["ours" if cfg is not None else "cublas"] += 1
-    report["tuned"] = tuned
-    if tuned and path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
-            tmp.replace(path)
-        except OSError as exc:  # a read-only cache is not an error
-            logger.debug("could not store small-M GEMM decisions: %s", exc)
-    torch.cuda.synchronize(device)
-    if tuned:  # the scratch weights and the tuning graphs' pool go back before anything else is sized
-        torch.cuda.empty_cache()
+    baseline = "tile rule" if int8 else "cublas"
+    report: dict = {"tuned": 0, "from_cache": 0, "ours": 0, baseline: 0}
+    try:
+        with _lock:
+            for n, k, has_bias in shapes:
+                for bucket in M_BUCKETS:
+                    key = _key(device, key_dtype, n, k, has_bias, bucket)
+                    skey = _stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl)
+                    if key in _decisions:
+                        cfg = _decisions[key]
+                    elif skey in stored:
+                        entry = stored[skey]
+                        cfg = SkinnyConfig(**entry) if isinstance(entry, dict) else None
+                        report["from_cache"] += 1
+                    else:
+                        cfg, base_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl,
+                                                        scratch_bytes, int8)
+                        stored[skey] = asdict(cfg) if cfg is not None else None
+                        tuned += 1
+                        logger.debug("small-M GEMM %dx%d%s m<=%d: %s %.2f us, best %.2f us -> %s", n, k,
+                                     " int8" if int8 else "", bucket, baseline, base_t * 1e6, best_t * 1e6,
+                                     cfg or baseline)
+                    _decisions[key] = cfg
+                    report["ours" if cfg is not None else baseline] += 1
+    finally:  # what was decided is kept even when a later shape fails, and the scratch memory goes back
+        report["tuned"] = tuned
+        if tuned and path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
+                tmp.replace(path)
+            except OSError as exc:  # a read-only cache is not an error
+                logger.debug("could not store small-M GEMM decisions: %s", exc)
+        if tuned:  # the scratch weights and the tuning graphs' pool go back before anything else is sized
+            try:
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
+            except RuntimeError as exc:  # a failed kernel's error surfaces from the tuning itself
+                logger.debug("could not release the tuning memory: %s", exc)
     report["seconds"] = time.perf_counter() - t0
     return report

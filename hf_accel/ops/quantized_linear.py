@@ -67,6 +67,8 @@ def _tile_config(x: torch.Tensor, m: int, n: int, k: int, has_bias: bool):
     from hf_accel.ops import linear as linear_op
 
     bucket = linear_op._bucket(m)
+    if bucket == 64 and m <= 32:  # no 32-row bucket is tuned: the rule's 32-row tile beats a 64-row one there
+        bucket = None
     cfg = linear_op._decisions.get(linear_op._key(x.device, linear_op.int8_key_dtype(x.dtype), n, k, has_bias,
                                                   bucket)) if bucket is not None else None
     return cfg if cfg is not None else default_config(m, n, k, x.device)
