@@ -77,7 +77,7 @@ def test_int8_candidates_fit_their_bucket_and_the_op_follows_a_decision(monkeypa
         cands = linear_op._candidates(bucket, int8=True)
         assert cands and all(c.block_m >= bucket for c in cands)
         assert {c.block_k for c in cands} != {c.block_k for c in linear_op._candidates(bucket)}  # longer K tiles
-    monkeypatch.setattr(linear_op, "_index", lambda device: 0)
+    monkeypatch.setattr(linear_op, "device_index", lambda device: 0)
     monkeypatch.setattr(quantized_linear, "default_config", lambda m, n, k, device: ("rule", m))
     linear_op.clear_decisions()
     tuned = G.SkinnyConfig(16, 64, 512, 2, 4, 4)

@@ -76,12 +76,11 @@ def route_int8_weight_only_linears(gm: torch.fx.GraphModule, use_pdl: bool) -> l
             scale = gm.graph.call_function(getattr, (w, parts[1]))
             new = gm.graph.call_function(torch.ops.hf_accel.int8_weight_linear.default,
                                          (x, qdata, scale, b, bool(use_pdl)))
-        qdata.meta["example_value"] = getattr(wv, parts[0])
-        scale.meta["example_value"] = getattr(wv, parts[1])
+        qdata.meta["example_value"], scale.meta["example_value"] = (getattr(wv, name) for name in parts)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        n, k = getattr(wv, parts[0]).shape
+        n, k = qdata.meta["example_value"].shape
         routed.append((int(n), int(k), b is not None))
     if routed:
         gm.graph.lint()

@@ -134,9 +134,8 @@ class EngineLoop:
         self._known: dict[int, EngineCall] = {}
         self._aborts: list[tuple[EngineCall, Request | None, BaseException | None]] = []
         self._thread: threading.Thread | None = None
-        # rank 0 of a served tensor-parallel model (engine/tp_driver.py): its engine thread runs until
+        # rank 0 of a served tensor-parallel model (`driver`, engine/tp_driver.py): its engine thread runs until
         # stop_driving(), handing each step's schedule to the other ranks; `_work` wakes it when idle
-        self.driver: LeaderDriver | None = None
         self._work = threading.Event()
         # engine thread only
         self._calls: dict[int, EngineCall] = {}  # id(call) -> call
@@ -221,13 +220,17 @@ class EngineLoop:
                 return
         call._finish(RuntimeError("internal error: the engine loop lost this call"))
 
+    @property
+    def driver(self) -> LeaderDriver | None:
+        """The engine's leader driver while rank 0 of a tensor-parallel model is served, else None."""
+        return self.engine.driver
+
     def start_driving(self, driver: LeaderDriver) -> None:
         """Rank 0 of a served tensor-parallel model: from now on the engine thread runs until `stop_driving()` and
         hands every step's schedule to the other ranks (which run `tp_driver.follow`)."""
         with self._lock:
             if self._running() or self._known:
                 raise RuntimeError("start_driving() needs an idle engine loop")
-            self.driver = driver
             self.engine.driver = driver
             self._ensure_thread()
 
@@ -244,7 +247,7 @@ class EngineLoop:
         if not self.wait_idle(timeout):
             return False
         with self._lock:
-            self.driver = self.engine.driver = None
+            self.engine.driver = None
         return True
 
     @property

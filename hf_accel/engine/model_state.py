@@ -136,10 +136,10 @@ def _inner_layout(p: torch.Tensor) -> tuple:
         names = ()
     out: list = [type(p)]
     for name in names:
-        inner = getattr(p, name, None)
-        if isinstance(inner, torch.Tensor):
-            out.append((name, *_inner_layout(inner)) if type(inner) not in (torch.Tensor, torch.nn.Parameter)
-                       else (name, id(inner), inner.data_ptr(), inner.shape, inner.stride(), inner.dtype))
+        t = getattr(p, name, None)
+        if isinstance(t, torch.Tensor):  # a nested subclass: its own parts below, no storage address of its own
+            plain = type(t) in (torch.Tensor, torch.nn.Parameter)
+            out.append((name, id(t), t.data_ptr() if plain else 0, t.shape, t.stride(), t.dtype, _inner_layout(t)))
     return tuple(out)
 
 

@@ -10,7 +10,9 @@ the family's own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -253,6 +255,32 @@ class ModelRunner:
             max_seq_len=max(query_lens))
 
     @torch.inference_mode()
+    def _tune_linears(self, info: dict, phase: Callable, dtype: torch.dtype, pdl: bool,
+                      cache_path: Path | None) -> None:
+        """Tile decisions for the small-M GEMMs the compile routed: bf16 / fp16 linears (`small_m_gemm`: ours or
+        cuBLAS) and torchao int8 weight-only ones (`int8_gemm`: tuned tiles or the tile rule). A tuning failure
+        warns and keeps the baseline: it is an optimisation."""
+        from hf_accel.ops.linear import decisions_for, int8_key_dtype, tune_linears
+
+        stats = self.piecewise.stats
+        for name, shapes, int8 in (("small_m_gemm", stats.routed_linears, False),
+                                   ("int8_gemm", stats.int8_weight_linears, True)):
+            if not shapes:
+                continue
+            what = "int8 weight shapes" if int8 else "weight shapes"
+            phase(f"tune {'int8' if int8 else 'small-M'} GEMMs", f"{len(set(shapes))} {what}; remembered in the "
+                  "compile cache")
+            try:
+                report = tune_linears(shapes, dtype, self.device, use_pdl=pdl, int8=int8,
+                                      cache_dir=cache_path)
+                report["decisions"] = decisions_for(shapes, self.device, int8_key_dtype(dtype) if int8 else dtype)
+            except Exception as exc:
+                logger.warning("hf_accel: tuning the %s failed (%s: %s); %s run", what, type(exc).__name__, exc,
+                               "the default int8 tiles" if int8 else "cuBLAS GEMMs")
+                report = {"error": f"{type(exc).__name__}: {exc}"[:300], "seconds": 0.0}
+            info[name] = report
+            info[f"{name}_s"] = report["seconds"]
+
     def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
                            model_config, dtype: torch.dtype, *, pdl: bool = False,
                            small_m_gemm: bool = False, progress=None, tp=None) -> dict:
@@ -325,30 +353,8 @@ class ModelRunner:
             if self.piecewise is not None:  # where the compile time goes: Dynamo tracing vs split + Inductor
                 info["trace_s"] = self.piecewise.stats.trace_seconds
                 info["split_compile_s"] = self.piecewise.stats.compile_seconds
-            if self.piecewise is not None and self.piecewise.stats.routed_linears:
-                from hf_accel.ops.linear import decisions_for, tune_linears
-
-                shapes = self.piecewise.stats.routed_linears
-                phase("tune small-M GEMMs", f"{len(set(shapes))} weight shapes; remembered in the compile cache")
-                report = tune_linears(shapes, dtype, self.device, use_pdl=pdl,
-                                      cache_dir=cache.path if cache.path else None)
-                report["decisions"] = decisions_for(shapes, self.device, dtype)
-                info["small_m_gemm"] = report
-                info["small_m_gemm_s"] = report["seconds"]
-            if self.piecewise is not None and self.piecewise.route_linears and self.piecewise.stats.int8_weight_linears:
-                from hf_accel.ops.linear import decisions_for, int8_key_dtype, tune_linears
-
-                shapes = self.piecewise.stats.int8_weight_linears
-                phase("tune int8 GEMMs", f"{len(set(shapes))} int8 weight shapes; remembered in the compile cache")
-                try:
-                    report = tune_linears(shapes, dtype, self.device, use_pdl=pdl, int8=True,
-                                          cache_dir=cache.path if cache.path else None)
-                    report["decisions"] = decisions_for(shapes, self.device, int8_key_dtype(dtype))
-                except Exception as exc:  # tuning is an optimisation: the tile rule still runs every shape
-                    logger.warning("hf_accel: tuning the int8 GEMMs failed (%s: %s); the default tiles run",
-                                   type(exc).__name__, exc)
-                    report = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                info["int8_gemm"] = report
+            if self.piecewise is not None and self.piecewise.route_linears:
+                self._tune_linears(info, phase, dtype, pdl, cache.path)
 
         def capture_graphs() -> None:
             if compile:

@@ -57,19 +57,19 @@ def _bucket(m: int) -> int | None:
     return None
 
 
-def _index(device: torch.device) -> int:
+def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, bucket: int) -> tuple:
     """The in-memory key: cheap to build, since the op builds one per call of a step that is not replayed."""
-    return (_index(device), dtype, n, k, has_bias, bucket)
+    return (device_index(device), dtype, n, k, has_bias, bucket)
 
 
 def _stored_key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, bucket: int,
                 use_pdl: bool) -> str:
     """The on-disk key: the GPU by name (the cache directory may move between machines), the tuning version."""
-    name = torch.cuda.get_device_name(_index(device))
+    name = torch.cuda.get_device_name(device_index(device))
     return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}|v{TUNE_VERSION}"
 
 
@@ -82,9 +82,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
     if (x.is_cuda and weight.stride(-1) == 1 and weight.dtype == x.dtype
             and (bias is None or (bias.stride(0) == 1 and bias.dtype == x.dtype))):
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        bucket = _bucket(m)
-        if bucket is not None and m > 0:
-            cfg = _decisions.get(_key(x.device, x.dtype, weight.shape[0], weight.shape[1], bias is not None, bucket))
+        if m > 0:
+            cfg = tuned_config(x.device, x.dtype, weight.shape[0], weight.shape[1], bias is not None, m)
             if cfg is not None:
                 global _skinny_linear
                 if _skinny_linear is None:
@@ -96,6 +95,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
 @linear.register_fake
 def _(x, weight, bias, use_pdl):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def tuned_config(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, m: int):
+    """The tuned tile config for a step of `m` rows (the decision of the smallest bucket >= m), or None: not tuned,
+    more rows than any bucket, or the baseline won. `dtype`: as in `decisions_for`."""
+    bucket = _bucket(m)
+    return _decisions.get(_key(device, dtype, n, k, has_bias, bucket)) if bucket is not None else None
 
 
 def clear_decisions() -> None:

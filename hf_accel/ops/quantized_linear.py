@@ -9,6 +9,8 @@ CPU runs give torchao's numbers. See `patches.quantization.int8_weight_only_part
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _skinny = None  # hf_accel.ops.skinny_gemm, imported on first CUDA use (it imports triton at the top)
@@ -18,12 +20,19 @@ def default_config(m: int, n: int, k: int, device: torch.device):
     """The tile rule used where nothing was tuned (and the tuner's baseline): M padded to the tensor-core minimum, K
     tiles of 256 int8 bytes (128 for 64 rows, to fit shared memory), and K split until there are about two programs
     per SM."""
+    from hf_accel.ops.linear import device_index
+
+    return _rule(16 if m <= 16 else (32 if m <= 32 else 64), n, k, device_index(device))
+
+
+@functools.cache
+def _rule(block_m: int, n: int, k: int, device_index: int):
+    """`default_config` per (row tile, shape, GPU): computed once, since uncaptured steps ask on every call."""
     from hf_accel.ops.skinny_gemm import SkinnyConfig
 
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_k = 256 if block_m <= 32 else 128
     block_n = 64
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     n_programs = -(-n // block_n)
     split = 1
     while n_programs * split < 2 * sms and k // (block_k * split * 2) >= 2:
@@ -63,14 +72,11 @@ def int8_weight_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor
 
 def _tile_config(x: torch.Tensor, m: int, n: int, k: int, has_bias: bool):
     """The tuned tile shape for this weight shape and row bucket (`linear.tune_linears(..., int8=True)`, run at
-    warm-up when the small-M GEMM is on), else the tile rule."""
-    from hf_accel.ops import linear as linear_op
+    warm-up when the small-M GEMM is on), else the tile rule. 17-32 rows keep the rule: no 32-row bucket is tuned,
+    and the rule's 32-row tile beats the 64-row bucket's there."""
+    from hf_accel.ops.linear import int8_key_dtype, tuned_config
 
-    bucket = linear_op._bucket(m)
-    if bucket == 64 and m <= 32:  # no 32-row bucket is tuned: the rule's 32-row tile beats a 64-row one there
-        bucket = None
-    cfg = linear_op._decisions.get(linear_op._key(x.device, linear_op.int8_key_dtype(x.dtype), n, k, has_bias,
-                                                  bucket)) if bucket is not None else None
+    cfg = None if 16 < m <= 32 else tuned_config(x.device, int8_key_dtype(x.dtype), n, k, has_bias, m)
     return cfg if cfg is not None else default_config(m, n, k, x.device)
 
 
