@@ -346,6 +346,45 @@ def test_guard_accepts_only_near_ties_at_every_step(monkeypatch, leads, ok) -> N
     assert div["worst_lead"] == max(leads) and div["worst_step"] == 2 + leads.index(max(leads))
 
 
+@pytest.mark.parametrize(("floor", "ok"), [(0.05, False), (0.4, True), (None, False)])
+def test_guard_widens_a_margin_only_to_stocks_own_spread(monkeypatch, floor, ok) -> None:
+    """A lead beyond the dtype's rounding passes only within stock's own generate-vs-scoring spread on the same
+    rows (activation-quantized methods); measuring that spread failing keeps the row failed."""
+    cases = [bench.GuardCase("b2", "generate", [[11, 12], [13, 14]], 4)]
+    guard = bench.compare_guard(cases, {"b2": [[1, 2, 3, 4], [5, 6, 7, 8]]}, {"b2": [[1, 2, 9, 9], [5, 6, 7, 8]]})
+    monkeypatch.setattr(bench_guard, "reference_margins", lambda m, c, d, dev: [[(2, 0.3, 3.0), (3, 0.1, 3.0)]])
+    seen = {}
+
+    def fake_noise(model, case, rows, device):
+        seen["rows"] = rows
+        if floor is None:
+            raise RuntimeError("generate failed")
+        return floor
+
+    monkeypatch.setattr(bench_guard, "stock_self_noise", fake_noise)
+    bench.judge_near_ties(guard, cases, None, torch.device("cpu"), torch.bfloat16)
+    entry = guard["cases"]["b2"]
+    assert seen["rows"] == [0] and guard["passed"] is ok and entry["ok"] is ok
+    if floor is None:
+        assert "generate failed" in entry["noise_error"] and "stock_self_noise" not in guard
+    else:
+        assert entry["stock_self_noise"] == floor
+        assert entry["divergences"][0]["within_stock_self_noise"] is ok
+        assert (guard.get("within_stock_self_noise") == 1) is ok
+    text = bench.format_report({"guard": guard, "workloads": {}, "env": {}, "model": {"name": "t"}, "accel": {}})
+    assert ("within stock's own spread" in text) is ok and ("PASS" in text) is ok
+
+
+def test_stock_self_noise_is_nil_in_float32() -> None:
+    """Stock's greedy tokens scored by its own teacher-forced forward: in float32 the two agree to rounding, so
+    the guard's margin is not widened for plain models."""
+    model = bench.build_model("tiny", None, torch.float32, torch.device("cpu"))
+    bench.disable_eos(model)
+    case = bench.GuardCase("c", "generate", bench.random_prompts([5, 9, 7], seed=2,
+                                                                  vocab_size=model.config.vocab_size), 6)
+    assert 0.0 <= bench.stock_self_noise(model, case, [0, 2], torch.device("cpu")) < 1e-4
+
+
 def test_tie_margin_scales_with_the_top_logit_and_dtype() -> None:
     assert bench.tie_margin_for(torch.bfloat16, 3.0) == 16 * 2.0**-6
     assert bench.tie_margin_for(torch.bfloat16, -5.0) == 16 * 2.0**-5

@@ -44,6 +44,7 @@ from .guard import (
                   reference_margins,
                   run_guard,
                   run_guard_cases,
+                  stock_self_noise,
                   tie_margin_for,
 )
 from .report import finalize, format_report, format_w5, write_plot
@@ -100,6 +101,6 @@ __all__ = [
     "library_versions", "main", "make_caller", "measure_anchors", "measure_copy_bandwidth", "measure_method",
     "measure_startup_once", "parse_list", "random_prompts", "reference_margins", "resolve_device", "resolve_dtype",
     "resolved_accel_config", "run", "run_guard", "run_guard_cases", "run_startup", "run_throughput", "run_w5",
-    "shape_config", "synchronize", "tie_margin_for", "timed", "token_high", "weight_bytes", "workload_specs",
-    "write_plot",
+    "shape_config", "stock_self_noise", "synchronize", "tie_margin_for", "timed", "token_high", "weight_bytes",
+    "workload_specs", "write_plot",
 ]

