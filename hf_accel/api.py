@@ -44,7 +44,7 @@ from hf_accel.engine.tensor_parallel import TensorParallel, tensor_parallel_of
 from hf_accel.generation import EngineGenerator, PreparedCall, eos_ids, stock_reason
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.patches import family_patch
-from hf_accel.patches.quantization import quantization_quirks
+from hf_accel.patches.quantization import decompress_packed_weights, quantization_quirks
 from hf_accel.progress import StartupProgress
 from hf_accel.streams import AsyncWaker, GenerationStream, StockGenerationStream, run_async
 
@@ -233,6 +233,9 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     cfg = (config or AccelConfig()).updated(**passed)
     device = _model_device(model)
     cfg = cfg.resolve_for(device)
+    decompressed = decompress_packed_weights(model)
+    if decompressed:
+        logger.info("hf_accel: %s", decompressed)
     quant_fallback = _apply_quantization_quirks(model, cfg)
     tp = tensor_parallel_of(model)
     spec = _attention_spec(model, tp)
@@ -315,7 +318,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     state.startup["phases"] = dict(progress.times)
     state.extra_info.update(graph_pool_bytes=ci.get("graph_pool_bytes", 0), compile_cache=ci.get("compile_cache"),
                             effective_cudagraph_mode=ci.get("cudagraph_mode", "none"), backend_autotune=autotune_info,
-                            quantization_fallback=quant_fallback)
+                            quantization_fallback=quant_fallback, quantization_decompressed=decompressed)
     setattr(model, _STATE, state)
     model.generate = types.MethodType(_accelerated_generate, model)
     model.generate_batch = types.MethodType(_accelerated_generate_batch, model)
@@ -587,6 +590,8 @@ def engine_info(model) -> dict[str, Any]:
         "fallbacks": {**{k: eng.compile_info[k] for k in ("compile_error", "capture_error") if k in eng.compile_info},
                       **({"quantization": state.extra_info["quantization_fallback"]}
                          if state.extra_info.get("quantization_fallback") else {})},
+        # a compressed-tensors checkpoint: its packed weights were decompressed (patches/quantization.py)
+        "quantization_decompressed": state.extra_info.get("quantization_decompressed"),
         "fused_ops": ({"norms": state.fused_ops.norms, "mlps": state.fused_ops.mlps}
                       if state.fused_ops is not None and state.fused_ops.modules else None),
         "config": {k: (v.value if hasattr(v, "value") else v) for k, v in vars(state.config).items()},

@@ -74,3 +74,77 @@ def int8_weight_only_parts(weight: object) -> tuple[str, str] | None:
     if scale.numel() not in (1, int(qdata.shape[0])):
         return None
     return "qdata", "scale"
+
+
+def decompress_packed_weights(model: torch.nn.Module) -> str | None:
+    """Decompress a compressed-tensors checkpoint's packed weights now, as transformers would on the first forward.
+
+    Why: transformers loads a compressed-tensors model (the format llm-compressor writes for GPTQ / AWQ-style W4A16
+    and W8A16 weights) with its weights packed (`weight_packed` + `weight_scale`, no `weight`) and a forward
+    pre-hook on the model that decompresses every such linear to a dense weight of the model's dtype on the first
+    forward; from then on stock runs it dense (transformers has no kernel for the packed form). hf_accel packs
+    q/k/v, compiles and sizes the KV cache from what the model holds, and its forwards need not pass through that
+    hook, so the decompression happens here, before any of that. Returns a note for `engine_info` (None when the
+    model has nothing packed)."""
+    if getattr(model, "ct_decompress_hook", None) is None:
+        return None
+    compressor = getattr(getattr(model, "hf_quantizer", None), "compressor", None)
+    if compressor is not None and hasattr(compressor, "decompress_model"):
+        compressor.decompress_model(model)  # removes the hook
+    else:  # another transformers / compressed-tensors layout: let the hook itself run on a one-token forward
+        device = next(model.parameters()).device
+        with torch.inference_mode():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    if getattr(model, "ct_decompress_hook", None) is not None:
+        raise RuntimeError("hf_accel: compressed-tensors weights could not be decompressed before accelerating")
+    _drop_inert_offload_wrappers(model)
+    _drop_no_op_quantized_forwards(model)
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for n, p in model.named_parameters() if n.endswith(".weight")
+                     and p.dtype.is_floating_point})
+    return (f"compressed-tensors weights decompressed to dense {'/'.join(dtypes)} before accelerating, as transformers "
+            "does on the first forward (it has no kernel for the packed form): memory and speed are those of the "
+            "dense model")
+
+
+def _drop_inert_offload_wrappers(model: torch.nn.Module) -> None:
+    """compressed-tensors' decompression converts the model to its own offloading (`from_accelerate`): every module's
+    parameters sit in an `OffloadCache` and its forward first sends its inputs to the onload device, comparing data
+    pointers, which Dynamo cannot trace (the compile fell back to eager on it). Where nothing is offloaded (onload
+    and offload device the same, the case for a model loaded onto one device) the wrapper moves nothing, so it is
+    removed and the module gets its plain parameters and forward back. A model truly offloaded (to the CPU or
+    disk) is refused: hf_accel runs every weight on the GPU."""
+    try:
+        from compressed_tensors.offload.cache.base import OffloadCache
+        from compressed_tensors.offload.module import remove_module_offload
+    except ImportError:
+        return
+    for module in model.modules():
+        cache = module._parameters
+        if not isinstance(cache, OffloadCache):
+            continue
+        if str(cache.offload_device) != str(cache.onload_device):
+            raise ValueError(f"hf_accel: this compressed-tensors model offloads weights to {cache.offload_device} "
+                             f"(onload device {cache.onload_device}); accelerate_model needs every weight on the "
+                             "device it runs on: load it without offloading (device_map to one device)")
+        remove_module_offload(module, onload_tensors=False)
+
+
+def _drop_no_op_quantized_forwards(model: torch.nn.Module) -> None:
+    """compressed-tensors also gives each quantized linear a forward that fake-quantizes what its scheme says and
+    calls the class forward with the weight's `.data` patched, which Dynamo cannot trace. For a weight-only scheme
+    (no input or output activations quantized: W4A16, W8A16, GPTQ / AWQ-style) whose weights are already
+    decompressed, that forward skips the weight's fake quantization and patches `.data` with itself, so it computes
+    exactly the class forward: the instance's wrapper is removed. A scheme that quantizes activations keeps its
+    forward (the compiled forward then falls back to eager with one warning)."""
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        forward = module.__dict__.get("forward")
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        if scheme is None or code is None or code.co_name != "quantized_forward":  # named so under functools.wraps
+            continue
+        if scheme.input_activations is not None or scheme.output_activations is not None:
+            continue
+        status = getattr(module, "quantization_status", None)
+        if getattr(status, "value", status) not in ("compressed", "decompressed"):
+            continue  # before compression the wrapper fake-quantizes the weight: real work
+        del module.forward

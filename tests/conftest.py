@@ -207,3 +207,32 @@ def random_left_padded(lengths: list[int], seed: int = 0, high: int = 10000) -> 
         ids[i, width - n:] = torch.randint(10, high, (n,), generator=g)
         mask[i, width - n:] = 1
     return ids, mask
+
+
+def save_compressed_tensors_checkpoint(model: torch.nn.Module, path: str, preset: str = "W4A16",
+                                       group_size: int = 32) -> None:
+    """Save `model` as a compressed-tensors checkpoint (the format llm-compressor writes for GPTQ / AWQ-style
+    weight-only models): every linear but the lm_head quantized with `preset` ("W4A16": int4 symmetric,
+    "W4A16_ASYM": with zero points, "W8A16": int8) in groups of `group_size`, scales from each group's min / max
+    (round-to-nearest; what GPTQ or AWQ would refine does not change the format), packed ("pack-quantized").
+    Changes `model` in place (its linears end up compressed)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme.weights.group_size = group_size
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for module in model.modules():
+            args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
+            if args is None:
+                continue
+            groups = module.weight.float().reshape(module.weight.shape[0], -1, args.group_size)
+            scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+            module.weight_scale.copy_(scale.to(module.weight_scale.dtype))
+            module.weight_zero_point.copy_(zero_point.to(module.weight_zero_point.dtype))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(path)
+    compressor.update_config(path)

@@ -7,6 +7,9 @@ model under stock `generate()` does, minus one percentage point. The dequantized
 quantized linear itself (`linear(I) = W^T`), so the judge sees exactly the weights the method computes with, for
 every method alike (an identity row quantizes exactly under per-row activation quantization too).
 
+A compressed-tensors W4A16 checkpoint (GPTQ-style, made here with `conftest.save_compressed_tensors_checkpoint`)
+is judged the same way: transformers decompresses it to bf16 on the first forward, accelerate_model before it.
+
 A method whose package or kernels are missing here skips with the reason. Whatever accelerate_model had to turn off
 (compile, CUDA graphs) is recorded in `engine_info(model)["fallbacks"]`; set HF_ACCEL_TEST_REPORT to get it, with
 both agreement rates, as one JSON line per method.
@@ -63,7 +66,7 @@ def _quantization_config(method: str):
 
 
 METHODS = ["torchao-int8-weight-only", "torchao-int4-weight-only", "torchao-float8-dynamic", "bnb-nf4", "bnb-int8",
-           "fp8"]
+           "fp8", "ct-w4a16"]
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +83,31 @@ def checkpoint():
         yield d
 
 
+_COMPRESSED: dict[str, str] = {}
+
+
+def compressed_tensors_checkpoint(path: str) -> str:
+    """`path` saved again as a compressed-tensors W4A16 checkpoint (GPTQ-style int4, groups of 128; made once)."""
+    if path not in _COMPRESSED:
+        pytest.importorskip("compressed_tensors")
+        from conftest import save_compressed_tensors_checkpoint
+
+        out = os.path.join(path, "ct-w4a16")  # inside the temporary checkpoint folder: removed with it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
+            save_compressed_tensors_checkpoint(model, out, "W4A16", group_size=128)
+        del model
+        torch.cuda.empty_cache()
+        _COMPRESSED[path] = out
+    return _COMPRESSED[path]
+
+
 def load_quantized(path: str, method: str):
-    config = _quantization_config(method)
+    if method == "ct-w4a16":  # a compressed-tensors checkpoint carries its quantization config
+        path, config = compressed_tensors_checkpoint(path), None
+    else:
+        config = _quantization_config(method)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -162,7 +188,8 @@ def test_quantized_defaults_agree_with_dequantized_fp32(checkpoint, method):
            identical_rows=int((ours == stock).all(-1).sum()), rows=len(JUDGE_LENGTHS),
            backend=info["attention_backend"], cudagraph_mode=info["cudagraph_mode"], compile=info["compile"],
            fallbacks=info["fallbacks"], packed_linear_groups=info["packed_linear_groups"],
-           fused_ops=info["fused_ops"], num_kv_blocks=info["num_kv_blocks"])
+           fused_ops=info["fused_ops"], num_kv_blocks=info["num_kv_blocks"],
+           decompressed=info.get("quantization_decompressed"))
     # the second call's prefill runs from cached prefixes, in other batch shapes: in bf16 its rounding may differ
     # from the first call's, so it is judged the same way rather than compared token for token
     assert ours_rate >= stock_rate - 0.01, (method, ours_rate, stock_rate, info["fallbacks"])
