@@ -77,33 +77,42 @@ def int8_weight_only_parts(weight: object) -> tuple[str, str] | None:
 
 
 def decompress_packed_weights(model: torch.nn.Module) -> str | None:
-    """Decompress a compressed-tensors checkpoint's packed weights now, as transformers would on the first forward.
+    """Bring a compressed-tensors model to the dense form stock runs it in, now, before hf_accel packs, compiles and
+    sizes the KV cache.
 
     Why: transformers loads a compressed-tensors model (the format llm-compressor writes for GPTQ / AWQ-style W4A16
     and W8A16 weights) with its weights packed (`weight_packed` + `weight_scale`, no `weight`) and a forward
     pre-hook on the model that decompresses every such linear to a dense weight of the model's dtype on the first
-    forward; from then on stock runs it dense (transformers has no kernel for the packed form). hf_accel packs
-    q/k/v, compiles and sizes the KV cache from what the model holds, and its forwards need not pass through that
-    hook, so the decompression happens here, before any of that. Returns a note for `engine_info` (None when the
-    model has nothing packed)."""
-    if getattr(model, "ct_decompress_hook", None) is None:
-        return None
-    compressor = getattr(getattr(model, "hf_quantizer", None), "compressor", None)
-    if compressor is not None and hasattr(compressor, "decompress_model"):
-        compressor.decompress_model(model)  # removes the hook
-    else:  # another transformers / compressed-tensors layout: let the hook itself run on a one-token forward
-        device = next(model.parameters()).device
-        with torch.inference_mode():
-            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    forward; from then on stock runs it dense (transformers has no kernel for the packed form). hf_accel's forwards
+    need not pass through that hook, so the decompression happens here. What compressed-tensors leaves on the
+    modules afterwards (its offloading wrapper, the quantized forward) is judged from the modules themselves, so a
+    model stock has already run is handled the same. The change is the one stock's first forward makes and stays
+    if accelerate_model fails later or on restore(). Returns a note for `engine_info` (None: not such a model)."""
+    decompressed = False
     if getattr(model, "ct_decompress_hook", None) is not None:
-        raise RuntimeError("hf_accel: compressed-tensors weights could not be decompressed before accelerating")
+        compressor = getattr(getattr(model, "hf_quantizer", None), "compressor", None)
+        if compressor is not None and hasattr(compressor, "decompress_model"):
+            compressor.decompress_model(model)  # removes the hook
+        else:  # another transformers / compressed-tensors layout: let the hook itself run on a one-token forward
+            device = next(model.parameters()).device
+            with torch.inference_mode():
+                model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+        if getattr(model, "ct_decompress_hook", None) is not None:
+            raise RuntimeError("hf_accel: compressed-tensors weights could not be decompressed before accelerating")
+        decompressed = True
     _drop_inert_offload_wrappers(model)
     _drop_no_op_quantized_forwards(model)
+    if not decompressed and not any(_status(m) == "decompressed" for m in model.modules()):
+        return None
     dtypes = sorted({str(p.dtype).replace("torch.", "") for n, p in model.named_parameters() if n.endswith(".weight")
                      and p.dtype.is_floating_point})
-    return (f"compressed-tensors weights decompressed to dense {'/'.join(dtypes)} before accelerating, as transformers "
-            "does on the first forward (it has no kernel for the packed form): memory and speed are those of the "
-            "dense model")
+    return (f"compressed-tensors weights decompressed to dense {'/'.join(dtypes)}, as transformers does on the first "
+            "forward (it has no kernel for the packed form): memory and speed are those of the dense model")
+
+
+def _status(module: torch.nn.Module) -> str | None:
+    status = getattr(module, "quantization_status", None)
+    return getattr(status, "value", status)
 
 
 def _drop_inert_offload_wrappers(model: torch.nn.Module) -> None:
@@ -127,6 +136,11 @@ def _drop_inert_offload_wrappers(model: torch.nn.Module) -> None:
                              f"(onload device {cache.onload_device}); accelerate_model needs every weight on the "
                              "device it runs on: load it without offloading (device_map to one device)")
         remove_module_offload(module, onload_tensors=False)
+        # it puts back a bound copy of the class forward as an instance attribute; hf_accel's fused ops (and anyone
+        # else) treat an instance forward as a patched module, so drop it when it is just the class's
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__func__", None) is type(module).forward:
+            del module.forward
 
 
 def _drop_no_op_quantized_forwards(model: torch.nn.Module) -> None:
@@ -144,7 +158,6 @@ def _drop_no_op_quantized_forwards(model: torch.nn.Module) -> None:
             continue
         if scheme.input_activations is not None or scheme.output_activations is not None:
             continue
-        status = getattr(module, "quantization_status", None)
-        if getattr(status, "value", status) not in ("compressed", "decompressed"):
+        if _status(module) not in ("compressed", "decompressed"):
             continue  # before compression the wrapper fake-quantizes the weight: real work
         del module.forward

@@ -83,3 +83,33 @@ def test_decompressed_weights_are_the_quantized_ones(checkpoints):
         assert not torch.equal(w, make_llama(seed=5).model.layers[1].mlp.down_proj.weight)
     finally:
         restore(model)
+
+
+def test_a_model_stock_already_ran_compiles_too(checkpoints):
+    """Stock's first forward fires the decompression hook and leaves compressed-tensors' wrappers on the modules:
+    accelerate_model judges from the modules, so the forward still compiles (no fallback) and the tokens are
+    stock's; no module keeps an instance forward (hf_accel's fused ops would skip such a module)."""
+    from hf_accel.patches.quantization import decompress_packed_weights
+
+    model = _load(checkpoints["W4A16"])
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    ref = model.generate(ids, **kw)  # stock: decompresses, wrappers stay
+    assert not hasattr(model, "ct_decompress_hook")
+    assert any("forward" in m.__dict__ for m in model.modules())
+    assert decompress_packed_weights(model) is not None
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    accelerate_model(model, compile=True)
+    try:
+        info = engine_info(model)
+        assert info["compile"] is True and not info["fallbacks"] and info["quantization_decompressed"]
+        assert torch.equal(model.generate(ids, **kw), ref)
+    finally:
+        restore(model)
+    accelerate_model(model, compile=True)  # again after restore: still said, still compiled
+    try:
+        info = engine_info(model)
+        assert info["quantization_decompressed"] and not info["fallbacks"]
+        assert torch.equal(model.generate(ids, **kw), ref)
+    finally:
+        restore(model)

@@ -46,6 +46,7 @@ from .guard import (
                   run_guard_cases,
                   stock_self_noise,
                   tie_margin_for,
+                  within_stock_spread,
 )
 from .report import finalize, format_report, format_w5, write_plot
 from .serving import SERVING_SCALES, ServingSpec, run_w5
@@ -102,5 +103,5 @@ __all__ = [
     "measure_startup_once", "parse_list", "random_prompts", "reference_margins", "resolve_device", "resolve_dtype",
     "resolved_accel_config", "run", "run_guard", "run_guard_cases", "run_startup", "run_throughput", "run_w5",
     "shape_config", "stock_self_noise", "synchronize", "tie_margin_for", "timed", "token_high", "weight_bytes",
-    "workload_specs", "write_plot",
+    "within_stock_spread", "workload_specs", "write_plot",
 ]

@@ -109,8 +109,12 @@ def format_report(report: dict[str, Any]) -> str:
                 leads = [d["worst_lead"] for d in c.get("divergences", []) if "worst_lead" in d]
                 bad.append(k + (f" at row {div['row']} step {div['step']}" if div else "")
                            + (f", stock lead over our token up to {max(leads):.3g}" if leads else "")
-                           + (f" (stock's own spread there: {c['stock_self_noise']:.3g})"
-                              if "stock_self_noise" in c else "")
+                           + (f" (stock's own tokens there: {c['stock_self_spread']['stock_beyond_margin']} of "
+                              f"{c['stock_self_spread']['stock_steps']} steps beyond the margin, lead up to "
+                              f"{c['stock_self_noise']:.3g}; ours {c['stock_self_spread']['ours_beyond_margin']} of "
+                              f"{c['stock_self_spread']['ours_steps']})" if "stock_self_spread" in c else "")
+                           + (f" (judging failed: {c.get('margin_error') or c.get('noise_error')})"
+                              if c.get("margin_error") or c.get("noise_error") else "")
                            + (f" ({c.get('ours_error') or c.get('reference_error')})"
                               if c.get("ours_error") or c.get("reference_error") else ""))
             why = guard.get("error") or "tokens differ: " + "; ".join(bad)
