@@ -97,7 +97,8 @@ case "${1:-tests}" in
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
     # about 100 s per method on a fresh machine (compile, small-M tuning, capture, the float32 judge)
-    timeout 560 python3 -m pytest -m gpu $P -rA -o faulthandler_timeout=200 tests/test_gpu_quantized.py \
+    # an optional second argument picks cases (`quant-tests "ct-w4a16 or float8"`): all of them take over 560 s
+    timeout 560 python3 -m pytest -m gpu $P -rA -o faulthandler_timeout=200 ${2:+-k "$2"} tests/test_gpu_quantized.py \
       >"$OUT/quant-tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/quant-tests.log" | cut -c1-220
     cat "$OUT/fp32.jsonl" 2>/dev/null | cut -c1-400 ;;
