@@ -20,10 +20,15 @@ failure on another rank ends that rank, and torchrun the rest.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
 
 from hf_accel.engine.request import Request, SamplingParams
 
@@ -85,8 +90,6 @@ class PlanChannel:
     BUFFER_BYTES = 8192
 
     def __init__(self, plans: TensorParallel) -> None:
-        import torch
-
         self.plans = plans
         self._buf = torch.zeros(self.BUFFER_BYTES, dtype=torch.uint8)
         self._src = None
@@ -96,18 +99,11 @@ class PlanChannel:
         return self.plans.rank
 
     def _broadcast(self, t) -> None:
-        import torch.distributed as dist
-
         if self._src is None:
             self._src = dist.get_global_rank(self.plans.group, 0)
         dist.broadcast(t, src=self._src, group=self.plans.group)
 
     def send(self, plan: StepPlan) -> None:
-        import ctypes
-        import pickle
-
-        import torch
-
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         n = len(data)
         base = self._buf.data_ptr()  # a contiguous CPU buffer: written in place (no numpy needed)
@@ -120,11 +116,6 @@ class PlanChannel:
             self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def receive(self) -> StepPlan:
-        import ctypes
-        import pickle
-
-        import torch
-
         self._broadcast(self._buf)
         base = self._buf.data_ptr()
         n = int.from_bytes(ctypes.string_at(base, 8), "little")
@@ -192,8 +183,6 @@ def follow(engine: LLMEngine, plans: TensorParallel) -> int:
     """A non-zero rank's side: apply rank 0's plans (received over `plans`, the CPU plan group) to `engine` and run
     its steps until rank 0 stops. Returns the number of forward steps run. Anything that fails here raises (torchrun
     then ends every rank)."""
-    import torch
-
     if plans.rank == 0:
         raise ValueError("rank 0 drives; the other ranks follow")
     channel = PlanChannel(plans)

@@ -217,7 +217,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     else:
         baseline = cycling(lambda w: F.linear(x, w, bias))
     best_cfg, best_t = None, time_in_graph(baseline)
-    cublas_t = best_t
+    base_t = best_t
     for cfg in _candidates(bucket, int8):
         if cfg.split_k > 1 and k // (cfg.split_k * cfg.block_k) < 1:
             continue
@@ -233,9 +233,9 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
             continue
         if t < best_t:
             best_cfg, best_t = cfg, t
-    if best_cfg is not None and best_t > cublas_t * (1.0 - MIN_GAIN[bucket]):
+    if best_cfg is not None and best_t > base_t * (1.0 - MIN_GAIN[bucket]):
         best_cfg = None
-    return best_cfg, cublas_t, best_t
+    return best_cfg, base_t, best_t
 
 
 def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, device: torch.device, *,

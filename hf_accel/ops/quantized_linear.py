@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+from hf_accel.ops.linear import device_index, int8_key_dtype, tuned_config
+
 _skinny = None  # hf_accel.ops.skinny_gemm, imported on first CUDA use (it imports triton at the top)
 
 
@@ -20,8 +22,6 @@ def default_config(m: int, n: int, k: int, device: torch.device):
     """The tile rule used where nothing was tuned (and the tuner's baseline): M padded to the tensor-core minimum, K
     tiles of 256 int8 bytes (128 for 64 rows, to fit shared memory), and K split until there are about two programs
     per SM."""
-    from hf_accel.ops.linear import device_index
-
     return _rule(16 if m <= 16 else (32 if m <= 32 else 64), n, k, device_index(device))
 
 
@@ -74,8 +74,6 @@ def _tile_config(x: torch.Tensor, m: int, n: int, k: int, has_bias: bool):
     """The tuned tile shape for this weight shape and row bucket (`linear.tune_linears(..., int8=True)`, run at
     warm-up when the small-M GEMM is on), else the tile rule. 17-32 rows keep the rule: no 32-row bucket is tuned,
     and the rule's 32-row tile beats the 64-row bucket's there."""
-    from hf_accel.ops.linear import int8_key_dtype, tuned_config
-
     cfg = None if 16 < m <= 32 else tuned_config(x.device, int8_key_dtype(x.dtype), n, k, has_bias, m)
     return cfg if cfg is not None else default_config(m, n, k, x.device)
 
