@@ -101,22 +101,8 @@ def format_report(report: dict[str, Any]) -> str:
                               if guard.get("within_stock_self_noise") else "")
                            + f": {guard.get('tie_rule')})"))
         else:
-            bad = []
-            for k, c in guard.get("cases", {}).items():
-                if c.get("ok", c.get("equal")):
-                    continue
-                div = (c.get("agreement") or {}).get("first_divergence")
-                leads = [d["worst_lead"] for d in c.get("divergences", []) if "worst_lead" in d]
-                bad.append(k + (f" at row {div['row']} step {div['step']}" if div else "")
-                           + (f", stock lead over our token up to {max(leads):.3g}" if leads else "")
-                           + (f" (stock's own tokens there: {c['stock_self_spread']['stock_beyond_margin']} of "
-                              f"{c['stock_self_spread']['stock_steps']} steps beyond the margin, lead up to "
-                              f"{c['stock_self_noise']:.3g}; ours {c['stock_self_spread']['ours_beyond_margin']} of "
-                              f"{c['stock_self_spread']['ours_steps']})" if "stock_self_spread" in c else "")
-                           + (f" (judging failed: {c.get('margin_error') or c.get('noise_error')})"
-                              if c.get("margin_error") or c.get("noise_error") else "")
-                           + (f" ({c.get('ours_error') or c.get('reference_error')})"
-                              if c.get("ours_error") or c.get("reference_error") else ""))
+            bad = [_failed_guard_case(k, c) for k, c in guard.get("cases", {}).items()
+                   if not c.get("ok", c.get("equal"))]
             why = guard.get("error") or "tokens differ: " + "; ".join(bad)
             head.append(f"correctness guard: FAIL ({why}) -> our speed figures are INVALID")
     out = ["\n".join(head)]
@@ -206,6 +192,27 @@ def format_report(report: dict[str, Any]) -> str:
         out.append(format_w5(report["w5"]))
     return "\n\n".join(out)
 
+
+def _failed_guard_case(name: str, case: dict[str, Any]) -> str:
+    """One failed guard case for the report line: where it parted, how far stock leads our token, how far stock's
+    own tokens stray there (when measured), and any error."""
+    parts = [name]
+    div = (case.get("agreement") or {}).get("first_divergence")
+    if div:
+        parts.append(f" at row {div['row']} step {div['step']}")
+    leads = [d["worst_lead"] for d in case.get("divergences", []) if "worst_lead" in d]
+    if leads:
+        parts.append(f", stock lead over our token up to {max(leads):.3g}")
+    spread = case.get("stock_self_spread")
+    if spread:
+        parts.append(f" (stock's own tokens there: {spread['stock_beyond_margin']} of {spread['stock_steps']} steps "
+                     f"beyond the margin, lead up to {spread['stock_max_lead']:.3g}; ours "
+                     f"{spread['ours_beyond_margin']} of {spread['ours_steps']})")
+    for error in (case.get("margin_error") or case.get("noise_error"),
+                  case.get("ours_error") or case.get("reference_error")):
+        if error:
+            parts.append(f" ({error})")
+    return "".join(parts)
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:,.1f}"
