@@ -121,15 +121,17 @@ def _drop_inert_offload_wrappers(model: torch.nn.Module) -> None:
     pointers, which Dynamo cannot trace (the compile fell back to eager on it). Where nothing is offloaded (onload
     and offload device the same, the case for a model loaded onto one device) the wrapper moves nothing, so it is
     removed and the module gets its plain parameters and forward back. A model truly offloaded (to the CPU or
-    disk) is refused: hf_accel runs every weight on the GPU."""
-    try:
-        from compressed_tensors.offload.cache.base import OffloadCache
-        from compressed_tensors.offload.module import remove_module_offload
-    except ImportError:
+    disk) is refused: hf_accel runs every weight on the GPU. A module whose forward is no longer that wrapper (the
+    user patched it after loading) is left as it is: removing the offloading would put the pre-patch forward back."""
+    wrapped = [m for m in model.modules() if type(m._parameters).__module__.startswith("compressed_tensors.")]
+    if not wrapped:  # not such a model: nothing imported, nothing touched
         return
-    for module in model.modules():
+    from compressed_tensors.offload.cache.base import OffloadCache
+    from compressed_tensors.offload.module import remove_module_offload
+
+    for module in wrapped:
         cache = module._parameters
-        if not isinstance(cache, OffloadCache):
+        if not isinstance(cache, OffloadCache) or not _is_offload_forward(module):
             continue
         if str(cache.offload_device) != str(cache.onload_device):
             raise ValueError(f"hf_accel: this compressed-tensors model offloads weights to {cache.offload_device} "
@@ -143,6 +145,18 @@ def _drop_inert_offload_wrappers(model: torch.nn.Module) -> None:
             del module.forward
 
 
+def _instance_forward_code(module: torch.nn.Module):
+    """The code object of a forward set on the module itself (None: it runs its class's forward)."""
+    forward = module.__dict__.get("forward")
+    return getattr(getattr(forward, "__func__", forward), "__code__", None)
+
+
+def _is_offload_forward(module: torch.nn.Module) -> bool:
+    """Whether the module's own forward is compressed-tensors' offloading wrapper (`offload/module.py`)."""
+    code = _instance_forward_code(module)
+    return code is not None and code.co_filename.replace("\\", "/").endswith("compressed_tensors/offload/module.py")
+
+
 def _drop_no_op_quantized_forwards(model: torch.nn.Module) -> None:
     """compressed-tensors also gives each quantized linear a forward that fake-quantizes what its scheme says and
     calls the class forward with the weight's `.data` patched, which Dynamo cannot trace. For a weight-only scheme
@@ -152,8 +166,7 @@ def _drop_no_op_quantized_forwards(model: torch.nn.Module) -> None:
     forward (the compiled forward then falls back to eager with one warning)."""
     for module in model.modules():
         scheme = getattr(module, "quantization_scheme", None)
-        forward = module.__dict__.get("forward")
-        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        code = _instance_forward_code(module)
         if scheme is None or code is None or code.co_name != "quantized_forward":  # named so under functools.wraps
             continue
         if scheme.input_activations is not None or scheme.output_activations is not None:

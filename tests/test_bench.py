@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import types
@@ -372,19 +373,31 @@ def test_guard_widens_a_margin_only_to_stocks_own_spread(monkeypatch, own, ok) -
         assert "generate failed" in entry["noise_error"] and "stock_self_noise" not in guard
         assert "generate failed" in text
     else:
-        assert entry["stock_self_noise"] == max(own)
-        assert entry["stock_self_spread"]["ours_beyond_margin"] == 1
+        assert entry["stock_self_noise"] == pytest.approx(max(0.0, max(own) - 0.25))  # beyond stock's margin
+        assert entry["stock_self_spread"]["ours_beyond_margin"] == 0  # the parting step is not counted, only capped
         assert entry["divergences"][0].get("within_stock_self_noise", False) is ok
     assert ("within stock's own spread" in text) is ok and ("PASS" in text) is ok
 
 
-@pytest.mark.parametrize(("ours", "own", "within"), [
-    ([(0.3, 0.25)] * 10, [(0.0, 0.25)] * 9 + [(0.5, 0.25)], False),  # a runner-up every step: far more often
-    ([(0.3, 0.25)] * 2 + [(0.0, 0.25)] * 8, [(0.4, 0.25)] * 3 + [(0.0, 0.25)] * 7, True),
-    ([(0.6, 0.25)] + [(0.0, 0.25)] * 9, [(0.4, 0.25)] * 3 + [(0.0, 0.25)] * 7, False),  # further than stock
+M = 0.25  # a bf16 margin (top logit 3.0)
+NOISY = [(0.4, M)] * 3 + [(0.0, M)] * 7  # stock's own tokens: 30 % of steps beyond the margin, by up to 0.15
+
+
+@pytest.mark.parametrize(("ours_rows", "own", "within"), [
+    ([[(0.3, M)] * 10], [(0.0, M)] * 9 + [(0.5, M)], False),  # a runner-up at every step: far more often
+    ([[(0.3, M)] * 2 + [(0.0, M)] * 8], NOISY, True),
+    ([[(0.6, M)] + [(0.0, M)] * 9], NOISY, False),  # further beyond the margin than stock ever is
+    ([[(0.3, M)]], [(0.0, M)] * 10, False),  # stock clean: nothing beyond the margin, even once
+    # stock clean, its largest lead (0.45) within a wider margin (0.5) elsewhere: ours passing its own is still out
+    ([[(0.4, 0.125)]], [(0.45, 0.5)] + [(0.0, M)] * 9, False),
+    ([[(0.3, M), (math.nan, M)]], NOISY, False),  # a NaN lead never passes
+    # one row wrong at every step among clean rows: judged per row, the others buy it nothing
+    ([[(0.3, M)] * 32] + [[(0.3, M)] + [(0.0, M)] * 31] * 7, [(0.3, M)] * 26 + [(0.0, M)] * 230, False),
+    # every row parting late at a contested step, as stock's own tokens would: the parting step is not counted
+    ([[(0.3, M), (0.3, M), (0.0, M)]] * 8, NOISY * 8, True),
 ])
-def test_within_stock_spread_counts_and_caps(ours, own, within) -> None:
-    assert bench.within_stock_spread(ours, own)["within"] is within
+def test_within_stock_spread_per_row_how_often_and_how_far(ours_rows, own, within) -> None:
+    assert bench.within_stock_spread(ours_rows, own)["within"] is within
 
 
 def test_stock_self_noise_is_nil_in_float32() -> None:

@@ -113,3 +113,30 @@ def test_a_model_stock_already_ran_compiles_too(checkpoints):
         assert torch.equal(model.generate(ids, **kw), ref)
     finally:
         restore(model)
+
+
+def test_a_forward_the_user_patched_after_loading_is_kept(checkpoints):
+    """After stock's first forward, a user patches one linear's forward: accelerate_model must run that forward (not
+    put the pre-patch one back when it removes compressed-tensors' wrappers), and leave it in place on restore()."""
+    import types
+
+    model = _load(checkpoints["W4A16"])
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    plain = model.generate(ids, **kw)  # stock: decompresses, wrappers stay
+    down = model.model.layers[0].mlp.down_proj
+
+    def halved(self, x):
+        return torch.nn.functional.linear(x, self.weight) * 0.5
+
+    down.forward = types.MethodType(halved, down)
+    ref = model.generate(ids, **kw)
+    assert not torch.equal(ref, plain)  # the patch changes the tokens, so the A/B below can tell
+    accelerate_model(model)
+    try:
+        assert down.__dict__["forward"].__func__ is halved
+        assert torch.equal(model.generate(ids, **kw), ref)
+    finally:
+        restore(model)
+    assert down.__dict__["forward"].__func__ is halved
+    assert torch.equal(model.generate(ids, **kw), ref)

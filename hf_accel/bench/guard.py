@@ -5,9 +5,9 @@ A near-tie is a lead of at most a few units in the last place of the model's dty
 activations (torchao float8 dynamic: e4m3 keeps 3 mantissa bits, per-tensor scales shared by every token of a
 forward) are noisier than that on their own: stock transformers' generate() and its own teacher-forced scoring of
 the same tokens already disagree by more. Where a divergent row exceeds the dtype's margin, the guard judges stock's
-own greedy tokens for the same rows the same way and accepts ours only if they stray beyond the margin no more
-often and no further than stock's do (`stock_self_noise`, `within_stock_spread`). For bf16 and weight-only models
-stock's own tokens stay within the margin, so the rule stays as strict as before.
+own greedy tokens for the same rows the same way and accepts a row of ours only if it strays beyond the margin no
+more often and by no more than stock's do (`stock_self_noise`, `within_stock_spread`). For bf16 and weight-only
+models stock's own tokens stay within the margin, so the rule stays as strict as before.
 """
 
 from __future__ import annotations
@@ -214,16 +214,15 @@ def judge_near_ties(guard: dict[str, Any], cases: list[GuardCase], model, device
             except Exception as exc:
                 entry["noise_error"] = f"{type(exc).__name__}: {exc}"
             else:
-                own_checks = [(lead, tie_margin_for(dtype, top) if math.isfinite(top) else 0.0)
+                own_checks = [(lead, tie_margin_for(dtype, top) if math.isfinite(top) else math.nan)
                               for steps in own for _, lead, top in steps]
-                ours_checks = [(lead, margin) for checks in all_checks for _, lead, _, margin in checks]
-                spread = within_stock_spread(ours_checks, own_checks)
+                ours_rows = [[(lead, margin) for _, lead, _, margin in checks] for checks in all_checks]
+                spread = within_stock_spread(ours_rows, own_checks)
                 entry["stock_self_spread"] = spread
-                entry["stock_self_noise"] = spread["stock_max_lead"]
-                if spread["within"]:
-                    for d in divs:
-                        if not d["ok"]:
-                            d["ok"] = d["within_stock_self_noise"] = True
+                entry["stock_self_noise"] = spread["stock_max_excess"]
+                for d, within in zip(divs, spread["rows_within"], strict=True):
+                    if not d["ok"] and within:
+                        d["ok"] = d["within_stock_self_noise"] = True
         for d in divs:
             d.pop("ours_row", None)  # the tokens are in the record already; keep the JSON small
         entry["near_ties"] = len(divs)
@@ -236,27 +235,43 @@ def judge_near_ties(guard: dict[str, Any], cases: list[GuardCase], model, device
                                                for c in guard["cases"].values() if c["ok"]
                                                for d in c.get("divergences", []))
         guard["stock_self_noise"] = max(floors)
-        guard["tie_rule"] += ("; where rows stray beyond that, no more often (two binomial standard deviations and "
-                              "one step) and no further than stock's own greedy tokens for the same rows, judged the "
-                              "same way")
+        guard["tie_rule"] += ("; where a row strays beyond that, no more often (two binomial standard deviations "
+                              "and one step, besides the step where it parted) and by no more than stock's own greedy "
+                              "tokens for the same rows, judged the same way")
 
 
-def within_stock_spread(ours: list[tuple[float, float]], own: list[tuple[float, float]]) -> dict[str, Any]:
-    """Whether our (lead, margin) steps stray from stock's top-1 no more often and no further than stock's own steps
-    do (`own`, judged the same way): the share of steps beyond their rounding margin may exceed stock's by two
-    binomial standard deviations plus one step, and no lead of ours may exceed stock's largest. With stock clean
-    (no step of its own beyond the margin) that allows one step of ours beyond it, and only up to a lead stock's
-    own steps reach, which they do not: the strict rule. A bug that keeps choosing the runner-up strays on most
-    steps and fails however noisy stock is."""
-    n, k = len(ours), sum(1 for lead, margin in ours if lead > margin)
-    n_own, k_own = len(own), sum(1 for lead, margin in own if lead > margin)
-    p = k_own / max(1, n_own)
-    allowed = n * p + 2.0 * math.sqrt(n * p * (1.0 - p)) + 1.0
-    ours_max = max((lead for lead, _ in ours), default=0.0)
-    own_max = max((lead for lead, _ in own), default=0.0)
-    return {"ours_steps": n, "ours_beyond_margin": k, "stock_steps": n_own, "stock_beyond_margin": k_own,
-            "allowed_beyond_margin": allowed, "ours_max_lead": ours_max, "stock_max_lead": own_max,
-            "within": k <= allowed and ours_max <= own_max}
+def _excess(lead: float, margin: float) -> float:
+    """How far a lead passes its rounding margin (<= 0: within it); +inf where either is not finite (NaN logits)."""
+    return lead - margin if math.isfinite(lead) and math.isfinite(margin) else math.inf
+
+
+def within_stock_spread(ours_rows: list[list[tuple[float, float]]],
+                        own: list[tuple[float, float]]) -> dict[str, Any]:
+    """Per divergent row of ours (its (lead, margin) steps from where it parted): whether it strays from stock's top-1
+    no more often and by no more than stock's own tokens do (`own`, every step of stock's greedy tokens for the same
+    rows, judged the same way).
+
+    - How far: no step of the row may pass its margin by more than stock's steps pass theirs (so with stock clean,
+      nothing beyond the margin: the strict rule), and a non-finite lead never passes.
+    - How often: the row's steps beyond their margin, the step where it parted left out (it is there because it
+      was contested), may exceed stock's share by two binomial standard deviations plus one step. Judged per row,
+      so a row that keeps choosing the runner-up fails however clean the others are.
+    """
+    own_excess = [_excess(lead, margin) for lead, margin in own]
+    k_own = sum(1 for e in own_excess if e > 0)
+    p = k_own / max(1, len(own))
+    cap = max([0.0] + [e for e in own_excess if math.isfinite(e)])
+    rows_within, n_total, k_total = [], 0, 0
+    for steps in ours_rows:
+        excess = [_excess(lead, margin) for lead, margin in steps]
+        counted = excess[1:]
+        n, k = len(counted), sum(1 for e in counted if e > 0)
+        n_total, k_total = n_total + n, k_total + k
+        allowed = n * p + 2.0 * math.sqrt(n * p * (1.0 - p)) + 1.0
+        rows_within.append(k <= allowed and max(excess, default=0.0) <= cap)
+    return {"ours_steps": n_total, "ours_beyond_margin": k_total, "stock_steps": len(own),
+            "stock_beyond_margin": k_own, "stock_max_excess": cap, "rows_within": rows_within,
+            "within": all(rows_within)}
 
 
 def stock_self_noise(model, case: GuardCase, rows: list[int],

@@ -96,8 +96,9 @@ def format_report(report: dict[str, Any]) -> str:
             head.append(f"correctness guard: PASS ({n} requests in {len(guard.get('cases', {}))} batch shapes, "
                         + ("token-for-token equal to the eager torch backend)" if not ties else
                            f"equal to the eager torch backend but for {ties} rounding near-tie(s)"
-                           + (f", {guard['within_stock_self_noise']} of them beyond the dtype's rounding but within "
-                              f"stock's own spread on the same rows (up to {guard['stock_self_noise']:.3g} logits)"
+                           + (f", {guard['within_stock_self_noise']} row(s) of them beyond the dtype's rounding but "
+                              f"within stock's own spread on the same rows (stock's own tokens up to "
+                              f"{guard['stock_self_noise']:.3g} logits beyond it)"
                               if guard.get("within_stock_self_noise") else "")
                            + f": {guard.get('tie_rule')})"))
         else:
@@ -206,7 +207,7 @@ def _failed_guard_case(name: str, case: dict[str, Any]) -> str:
     spread = case.get("stock_self_spread")
     if spread:
         parts.append(f" (stock's own tokens there: {spread['stock_beyond_margin']} of {spread['stock_steps']} steps "
-                     f"beyond the margin, lead up to {spread['stock_max_lead']:.3g}; ours "
+                     f"beyond the margin, by up to {spread['stock_max_excess']:.3g}; ours "
                      f"{spread['ours_beyond_margin']} of {spread['ours_steps']})")
     for error in (case.get("margin_error") or case.get("noise_error"),
                   case.get("ours_error") or case.get("reference_error")):
