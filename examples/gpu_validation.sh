@@ -113,7 +113,8 @@ case "${1:-tests}" in
     done ;;
   quant)  # issue 16: llama-3.1-8b W1/W2 per quantization method beside stock quantized generate() (eager, static).
     # One or two methods per call (`quant "bnb-nf4 torchao-float8-dynamic"`): a full 32-layer torchao int8 model
-    # took over 150 s to accelerate on 2026-12-01. Carry .gpu/extra (installed here, no staging call).
+    # took over 150 s to accelerate on 2026-12-01. Carry .gpu/extra (installed here, no staging call). QUANT_ARGS is
+    # appended to the bench's arguments (the last of a repeated option wins: `--workload w1 --repeats 1`).
     mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl >/dev/null 2>&1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
@@ -125,7 +126,8 @@ case "${1:-tests}" in
 logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s'); \
 sys.argv[0] = 'hf-accel'; from hf_accel.cli import main; sys.exit(main())" bench --workload w1,w2 \
         --shape llama-3.1-8b --quantization "$q" --anchors "${QUANT_ANCHORS:-eager,static}" --anchor-repeats 1 --anchor-warmup 0 \
-        --no-progress --json "$OUT/quant-$q.json" >"$OUT/quant-$q.log" 2>&1
+        --no-progress --json "$OUT/quant-$q.json" ${QUANT_ARGS:-} >"$OUT/quant-$q.log" 2>&1 \
+        || { echo "== $q exited $? (124: timeout); its last lines:"; tail -n 4 "$OUT/quant-$q.log" | cut -c1-300; }
       echo "== $q"; grep -E "hf_accel  |stock|guard|INVALID|done in|accelerated|memory|fallbacks" "$OUT/quant-$q.log" \
         | cut -c1-170
     done ;;

@@ -732,3 +732,42 @@ def test_restore_puts_the_inductor_cache_dir_back(tmp_path, monkeypatch):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))  # ours while accelerated
     restore(model)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "users_own")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_failed_capture_leaves_the_allocator_and_rng_usable():
+    """A capture that fails (a host read inside it) raises fn's error, and afterwards the device's random ops still
+    run: torch marks the default generator as capturing until a capture ends cleanly, so without the re-arm every
+    later torch.randint on the device raised "Offset increment outside graph capture" (found 2026-12-01)."""
+    from hf_accel.compilation.cuda_graph import capture_graph
+
+    x = torch.ones(8, device="cuda")
+
+    def host_read():
+        return (x * 2).sum().item()
+
+    with pytest.raises(Exception, match="capturing|capture"):
+        capture_graph(host_read, pool=torch.cuda.graph_pool_handle())
+    # the allocator knows the capture is over: a freed block used on another stream goes back at once (while it
+    # believes a capture is under way it defers such frees for good; an engine after a failed capture found
+    # 122 GiB gone)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    side = torch.cuda.Stream()
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    big.record_stream(side)
+    del big
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= before
+    a = torch.randint(0, 1000, (16,), device="cuda")
+    torch.manual_seed(3)
+    b = torch.rand(4, device="cuda")
+    torch.manual_seed(3)
+    assert torch.equal(b, torch.rand(4, device="cuda"))  # seeding still governs the generator
+    graph, out = capture_graph(lambda: x * 3, pool=None)  # and a later capture works and replays
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 3) and a.shape == (16,)

@@ -140,3 +140,28 @@ def test_a_forward_the_user_patched_after_loading_is_kept(checkpoints):
         restore(model)
     assert down.__dict__["forward"].__func__ is halved
     assert torch.equal(model.generate(ids, **kw), ref)
+
+
+def test_a_checkpoint_dequantized_while_loading_is_a_plain_model(checkpoints):
+    """transformers may dequantize a compressed-tensors checkpoint while loading (`CompressedTensorsConfig(dequantize=
+    True)`; on the GPU machine's transformers 5.17 the checkpoint also arrived dense): the model is then a plain
+    one, nothing is left to decompress or unwrap, and greedy output is stock's."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    path = checkpoints[PRESETS[0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu",
+                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert "weight_packed" not in dict(q_proj.named_parameters()) and not hasattr(model, "ct_decompress_hook")
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    ref = model.generate(ids, **kw)
+    accelerate_model(model, compile=False)
+    try:
+        info = engine_info(model)
+        assert info["quantization_decompressed"] is None and not info["fallbacks"]
+        assert torch.equal(model.generate(ids, **kw), ref)
+    finally:
+        restore(model)

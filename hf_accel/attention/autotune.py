@@ -24,6 +24,7 @@ import torch
 
 from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport
 from hf_accel.attention.metadata import StepMetadata
+from hf_accel.compilation.cuda_graph import capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +86,8 @@ def _capture(fn, device: torch.device) -> torch.cuda.CUDAGraph | None:
         with torch.cuda.stream(stream):
             fn()
         torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        with torch.cuda.device(device):
+            graph, _ = capture_graph(fn, pool=None)  # a failed capture leaves the CUDA RNG usable
         return graph
     except Exception as exc:
         logger.info("attention autotune: cannot capture %s in a CUDA graph (%s); timing it eagerly",

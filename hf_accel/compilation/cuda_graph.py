@@ -43,15 +43,16 @@ def weak_ref_tree(value: Any) -> Any:
     return tree_map(lambda x: weak_ref_tensor(x) if isinstance(x, torch.Tensor) else x, value)
 
 
-_capture_stream: torch.cuda.Stream | None = None
+_capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def capture_stream() -> torch.cuda.Stream:
-    """One side stream for every capture of the process (capturing on the legacy default stream is illegal)."""
-    global _capture_stream
-    if _capture_stream is None:
-        _capture_stream = torch.cuda.Stream()
-    return _capture_stream
+    """One side stream per device for every capture of the process (capturing on the legacy default stream is
+    illegal); per device because entering a stream's context also makes its device current."""
+    device = torch.cuda.current_device()
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
 
 
 def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -61,6 +62,8 @@ def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGrap
     over the hundreds of piecewise captures of a model; capture_begin/capture_end do only the capture.
     """
     graph = torch.cuda.CUDAGraph()
+    if pool is None:  # a handle of our own: after a failed capture the pool must be named to release it
+        pool = torch.cuda.graph_pool_handle()
     stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -68,14 +71,52 @@ def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGrap
         try:
             out = fn()
         except BaseException:  # end the (now invalid) capture, but report fn's error, not capture_end's
-            try:
-                graph.capture_end()
-            except Exception:
-                pass
+            end_failed_capture(graph, pool)
             raise
-        graph.capture_end()
+        try:
+            graph.capture_end()
+        except BaseException:  # an op the capture refused without raising in fn (the capture was invalidated)
+            end_failed_capture(graph, pool, ended=True)
+            raise
     torch.cuda.current_stream().wait_stream(stream)
     return graph, out
+
+
+def end_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any, *, ended: bool = False) -> None:
+    """Close a capture that failed and leave the allocator and the CUDA RNG as a clean capture_end would.
+
+    When the stream refused an op (a host sync, say), torch's capture_end raises at cudaStreamEndCapture before
+    its own bookkeeping, which leaves two things behind: the caching allocator still believes a capture is under
+    way (it then defers every free of a block used on another stream, forever: a later engine found 122 GiB it
+    could not get back, 2026-12-01) and holds a reference to the graph's pool; and the device's default
+    generator stays marked as capturing, so every later random op there (the user's torch.randint, a sampled
+    token) raises "Offset increment outside graph capture". Here the allocator is told the capture is over and
+    the pool reference is returned, and one throwaway capture of a trivial op runs the generator's prologue and
+    epilogue again, clearing the flag on the same generator state (graphs captured before keep advancing it).
+    `pool`: the handle capture_begin was given (torch names no pool of a failed capture). `ended`: capture_end
+    was already called and raised. Call it on the capturing stream."""
+    if not ended:
+        try:
+            graph.capture_end()
+            return  # fn raised but the capture itself was still valid: torch closed it cleanly
+        except Exception:  # the capture was invalidated; fn's error (raised by the caller) is the one to report
+            pass
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:  # capture_end got past the allocator's bookkeeping before it failed
+        pass
+    else:
+        torch._C._cuda_releasePool(device, pool)  # the reference capture_begin took; reset() returns it only
+        # for a capture that ended
+    scratch = torch.zeros(1, device="cuda")
+    rearm = torch.cuda.CUDAGraph()
+    rearm.capture_begin()
+    try:
+        scratch.add_(1)
+    finally:
+        rearm.capture_end()
+    del rearm
 
 
 class CaptureMemory:
