@@ -144,8 +144,7 @@ def test_a_forward_the_user_patched_after_loading_is_kept(checkpoints):
 
 def test_a_checkpoint_dequantized_while_loading_is_a_plain_model(checkpoints):
     """transformers may dequantize a compressed-tensors checkpoint while loading (`CompressedTensorsConfig(dequantize=
-    True)`; on the GPU machine's transformers 5.17 the checkpoint also arrived dense): the model is then a plain
-    one, nothing is left to decompress or unwrap, and greedy output is stock's."""
+    True)`): the model is then a plain one, nothing is left to decompress or unwrap, and greedy output is stock's."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     path = checkpoints[PRESETS[0]]

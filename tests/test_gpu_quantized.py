@@ -196,7 +196,7 @@ def test_quantized_defaults_agree_with_dequantized_fp32(checkpoint, method):
     assert again_rate >= stock_rate - 0.01, (method, again_rate, stock_rate)
     assert not info["fallbacks"] or info["cudagraph_mode"] != "full_and_piecewise"
     if method == "ct-w4a16":  # dense by now (stock's first forward decompressed it, or transformers did while
-        # loading, as 5.17 on the GPU machine does, leaving a plain model): compiled, nothing off, nothing packed left
+        # loading; with 5.17 on the GPU machine the engine's note stayed empty): compiled, nothing off, nothing packed
         assert info["compile"] and not info["fallbacks"]
         assert not any(n.endswith("weight_packed") for n, _ in model.named_parameters())
 
