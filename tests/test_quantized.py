@@ -292,3 +292,67 @@ def test_rebinding_a_quantized_weights_inner_tensors_rebuilds_the_engine(edit):
             assert torch.equal(model.generate(ids, **kw), twin.generate(ids, **kw))
         finally:
             restore(model)
+
+
+def _float8_per_row(monkeypatch):
+    """torchao's float8 dynamic-activation config, allowed on the CPU: torchao refuses it below sm89 GPUs, but the
+    arithmetic itself (row-wise scales, `torch._scaled_mm`) runs on the CPU, which is what these tests need."""
+    quant_api = pytest.importorskip("torchao.quantization.quant_api")
+    from torchao.quantization import PerRow
+
+    if not hasattr(quant_api, "_check_hardware_support") or not hasattr(quant_api,
+                                                                        "Float8DynamicActivationFloat8WeightConfig"):
+        pytest.skip("this torchao has no float8 dynamic-activation config to relax")
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda *a, **k: None)
+    return quant_api.Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+
+
+def test_inductor_rounds_float8_activations_as_eager_only_when_asked(monkeypatch):
+    """Inductor keeps a fused bf16 intermediate in float32 where eager rounds it; before an e4m3 cast that is a
+    whole quantization step (on the H200 our compiled float8 tokens parted from eager ones 9x as often as stock's
+    did). `inductor_settings(..., eager_casts=True)` must give eager's numbers exactly; without it they differ
+    (so the test can tell the setting matters)."""
+    from torchao.quantization import quantize_
+
+    from hf_accel.compilation.piecewise import inductor_settings
+
+    config = _float8_per_row(monkeypatch)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.Linear(512, 256, bias=False))
+    net = net.to(torch.bfloat16)
+    quantize_(net, config)
+    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    outs = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = net(x)
+        for eager_casts in (False, True):
+            torch._dynamo.reset()
+            with inductor_settings(pdl=False, eager_casts=eager_casts):
+                outs[eager_casts] = torch.compile(net, fullgraph=True)(x)
+    torch._dynamo.reset()
+    assert torch.equal(outs[True], eager)
+    assert not torch.equal(outs[False], eager)
+
+
+def test_float8_activation_model_compiles_with_eager_rounding_and_gives_stock_tokens(checkpoint, monkeypatch):
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    config = _float8_per_row(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=TorchAoConfig(config),
+                                                     dtype=torch.bfloat16, device_map="cpu")
+        # rows of one length: with left padding, stock's own forward turns every row with padding into NaN here
+        # (the checkpoint's pad embedding is zero, a zero row gets a zero per-row scale, 0/0 reaches the real
+        # positions through attention's zero weights), so there would be no stock answer to compare with
+        ids = torch.tensor([[5, 9, 13, 77, 4], [3, 4, 5, 6, 7], [11, 12, 13, 14, 15]])
+        kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        ref = model.generate(ids, **kw)
+        accelerate_model(model, compile=True)
+        try:
+            info = engine_info(model)
+            assert info["compile"] is True and not info["fallbacks"] and info["eager_precision_casts"] is True
+            assert torch.equal(model.generate(ids, **kw), ref)
+        finally:
+            restore(model)

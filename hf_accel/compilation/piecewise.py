@@ -70,7 +70,7 @@ class CompileStats:
     pool_bytes_reserved: int = 0
 
 
-def inductor_settings(pdl: bool) -> contextlib.AbstractContextManager:
+def inductor_settings(pdl: bool, eager_casts: bool = False) -> contextlib.AbstractContextManager:
     """Inductor config for the pieces, whatever the process set globally, so each switch is one flag here:
 
     - generated Triton kernels use PDL (`triton.enable_pdl`, torch >= 2.10) when `pdl`, explicitly not otherwise
@@ -78,13 +78,18 @@ def inductor_settings(pdl: bool) -> contextlib.AbstractContextManager:
     - no coordinate-descent tuning. torchao's quantization configs switch it on for the whole process when they
       quantize a model (`recommended_inductor_config_setter`); it then re-times every generated kernel on its first
       run, which took a llama-3.1-8b float8 start from about 20 s of compile to 166 s on the H200, for kernels that
-      are a small part of a decode step next to the GEMMs and attention.
+      are a small part of a decode step next to the GEMMs and attention;
+    - with `eager_casts`, fused kernels round each intermediate to its eager dtype (`emulate_precision_casts`) as
+      eager PyTorch does, for models that quantize activations (`patches.quantization.quantizes_activations` says
+      why); elsewhere Inductor's extra precision is kept.
     """
     import torch._inductor.config as inductor_config
 
     settings: dict[str, Any] = {"coordinate_descent_tuning": False, "coordinate_descent_check_all_directions": False}
     if hasattr(inductor_config.triton, "enable_pdl"):
         settings["triton.enable_pdl"] = bool(pdl)
+    if eager_casts and hasattr(inductor_config, "emulate_precision_casts"):
+        settings["emulate_precision_casts"] = True
     return inductor_config.patch(settings)
 
 
@@ -243,9 +248,10 @@ class PiecewiseForward:
                  token_dims: Sequence[tuple[int, int]] = ((0, 1), (1, 1)),
                  other_dynamic_dims: Sequence[tuple[int, int]] = ((2, 0),),
                  bypass_dynamo: bool = True, merge_linears: bool = True, route_linears: bool = False,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, eager_casts: bool = False) -> None:
         """`route_linears`: linears go through `hf_accel::linear` (small-M GEMM where tuned; compile pass
-        `small_m_linear`). `pdl`: Inductor's kernels are generated with programmatic dependent launch (sm90+)."""
+        `small_m_linear`). `pdl`: Inductor's kernels are generated with programmatic dependent launch (sm90+).
+        `eager_casts`: Inductor rounds intermediates as eager does (`inductor_settings`)."""
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"compiler must be 'inductor' or 'eager', got {compiler!r}")
         self.forward_fn = forward_fn
@@ -261,6 +267,7 @@ class PiecewiseForward:
         self.merge_linears = merge_linears
         self.route_linears = route_linears
         self.pdl = pdl
+        self.eager_casts = eager_casts
         self.stats = CompileStats()
         # set by the backend
         self.split_gm: torch.fx.GraphModule | None = None
@@ -503,7 +510,7 @@ class PiecewiseForward:
         from torch._inductor.compile_fx import compile_fx
 
         ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-        with ctx, torch.no_grad(), inductor_settings(self.pdl):
+        with ctx, torch.no_grad(), inductor_settings(self.pdl, self.eager_casts):
             fn = compile_fx(submod, args)
         return fn  # positional arguments (its `_boxed_call` attribute is copied from an inner function)
 

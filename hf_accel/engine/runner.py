@@ -302,6 +302,7 @@ class ModelRunner:
         from hf_accel.compilation.cuda_graph import FullCUDAGraphRunner
         from hf_accel.compilation.dispatcher import CUDAGraphDispatcher
         from hf_accel.compilation.piecewise import compile_piecewise
+        from hf_accel.patches.quantization import quantizes_activations
 
         info: dict = {"compile_s": 0.0, "capture_s": 0.0, "graph_pool_bytes": 0, "compile_cache": None}
         on_cuda = self.device.type == "cuda"
@@ -321,9 +322,11 @@ class ModelRunner:
             cache = self.compile_cache = setup_compile_cache(
                 cache_dir, model_config, dtype, sizes, extra={"device": str(self.device), "backend": self.backend.name})
             info["compile_cache"] = {"dir": str(cache.path) if cache.path else None, "warm": cache.warm}
+            info["eager_precision_casts"] = eager_casts = quantizes_activations(self.model)
             self.piecewise = compile_piecewise(self.forward_2d, capture_sizes=self.dispatcher.piecewise_sizes,
                                                use_cudagraph=on_cuda and bool(self.dispatcher.piecewise_sizes),
-                                               graph_pool=pool, route_linears=small_m_gemm and on_cuda, pdl=pdl)
+                                               graph_pool=pool, route_linears=small_m_gemm and on_cuda, pdl=pdl,
+                                               eager_casts=eager_casts)
             meta = self.upload(self.dummy_inputs([15, 1]))
             self.backend.prepare(meta)
             try:
