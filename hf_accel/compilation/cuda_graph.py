@@ -60,63 +60,85 @@ def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGrap
 
     `torch.cuda.graph(...)` would also run gc.collect() and empty_cache() on every capture, which costs seconds
     over the hundreds of piecewise captures of a model; capture_begin/capture_end do only the capture.
+    A capture that fails raises fn's (or capture_end's) error with the allocator and RNG put back in order
+    (`end_failed_capture`); capture later graphs into a new pool handle, not `pool`, whose reference count the
+    failure may have brought to zero (torch then refuses to capture into it again until it is freed).
     """
     graph = torch.cuda.CUDAGraph()
     if pool is None:  # a handle of our own: after a failed capture the pool must be named to release it
         pool = torch.cuda.graph_pool_handle()
     stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
-        try:
-            out = fn()
-        except BaseException:  # end the (now invalid) capture, but report fn's error, not capture_end's
-            end_failed_capture(graph, pool)
-            raise
-        try:
-            graph.capture_end()
-        except BaseException:  # an op the capture refused without raising in fn (the capture was invalidated)
-            end_failed_capture(graph, pool, ended=True)
-            raise
-    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                out = fn()
+            except BaseException:  # end the (now invalid) capture, but report fn's error, not capture_end's
+                end_failed_capture(graph, pool, stream)
+                raise
+            try:
+                graph.capture_end()
+            except BaseException:  # an op the capture refused without raising in fn (the capture was invalidated)
+                end_failed_capture(graph, pool, stream, ended=True)
+                raise
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
     return graph, out
 
 
-def end_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any, *, ended: bool = False) -> None:
-    """Close a capture that failed and leave the allocator and the CUDA RNG as a clean capture_end would.
+def end_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream, *,
+                       ended: bool = False) -> None:
+    """Close a capture that failed and put the allocator and the CUDA RNG back as a clean capture_end would.
 
-    When the stream refused an op (a host sync, say), torch's capture_end raises at cudaStreamEndCapture before
-    its own bookkeeping, which leaves two things behind: the caching allocator still believes a capture is under
-    way (it then defers every free of a block used on another stream, forever: a later engine found 122 GiB it
-    could not get back, 2026-12-01) and holds a reference to the graph's pool; and the device's default
-    generator stays marked as capturing, so every later random op there (the user's torch.randint, a sampled
-    token) raises "Offset increment outside graph capture". Here the allocator is told the capture is over and
-    the pool reference is returned, and one throwaway capture of a trivial op runs the generator's prologue and
-    epilogue again, clearing the flag on the same generator state (graphs captured before keep advancing it).
-    `pool`: the handle capture_begin was given (torch names no pool of a failed capture). `ended`: capture_end
-    was already called and raised. Call it on the capturing stream."""
-    if not ended:
+    When the stream refused an op (a host sync, say), torch's capture_end (2.11) raises at cudaStreamEndCapture
+    before its own bookkeeping, which leaves two things behind: the caching allocator still believes a capture is
+    under way (it then defers every free of a block used on another stream, forever: a later engine found 122 GiB
+    it could not get back, 2026-12-01) and holds the reference to the graph's pool that capture_begin took; and the
+    device's default generator stays marked as capturing, so every later random op there (the user's
+    torch.randint, a sampled token) raises "Offset increment outside graph capture". Here the allocator is told
+    the capture is over and the pool reference is returned, and one throwaway capture of a trivial op, on a stream
+    of its own, runs the generator's prologue and epilogue again, clearing the flag on the same generator state
+    (graphs captured before keep advancing it; seeds and offsets are untouched). What this cannot reach: the
+    pinned host allocator's own capture bookkeeping, which has no Python binding.
+
+    `pool`: the handle capture_begin was given (torch names no pool of a failed capture). `stream`: the capturing
+    stream. `ended`: capture_end was already called and raised. Never raises: the caller reports the capture's
+    own error, and a cleanup step that fails is logged instead."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        if not ended:
+            try:
+                graph.capture_end()
+                return  # fn raised but the capture itself was still valid: torch closed it cleanly
+            except Exception:  # the capture was invalidated; fn's error (raised by the caller) is the one to report
+                pass
         try:
-            graph.capture_end()
-            return  # fn raised but the capture itself was still valid: torch closed it cleanly
-        except Exception:  # the capture was invalidated; fn's error (raised by the caller) is the one to report
-            pass
-    device = torch.cuda.current_device()
-    try:
-        torch._C._cuda_endAllocateToPool(device, pool)
-    except RuntimeError:  # capture_end got past the allocator's bookkeeping before it failed
-        pass
-    else:
-        torch._C._cuda_releasePool(device, pool)  # the reference capture_begin took; reset() returns it only
-        # for a capture that ended
-    scratch = torch.zeros(1, device="cuda")
-    rearm = torch.cuda.CUDAGraph()
-    rearm.capture_begin()
-    try:
-        scratch.add_(1)
-    finally:
-        rearm.capture_end()
-    del rearm
+            if torch.cuda.is_current_stream_capturing():  # the capture never ended: nothing below is safe
+                logger.warning("hf_accel: a failed CUDA graph capture could not be ended; later captures on this "
+                               "stream will fail")
+                return
+            device = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
+            try:
+                torch._C._cuda_endAllocateToPool(device, pool)
+            except RuntimeError:  # capture_end got past the allocator's bookkeeping before it failed
+                pass
+            else:
+                torch._C._cuda_releasePool(device, pool)  # reset() returns it only for a capture that ended
+            rearm_stream = torch.cuda.Stream(stream.device)
+            rearm_stream.wait_stream(stream)
+            with torch.cuda.stream(rearm_stream):
+                scratch = torch.zeros(1, device=stream.device)
+                rearm = torch.cuda.CUDAGraph()
+                rearm.capture_begin()
+                try:
+                    scratch.add_(1)
+                finally:
+                    rearm.capture_end()
+            stream.wait_stream(rearm_stream)
+            del rearm
+        except Exception as exc:  # noqa: BLE001 - never mask the capture's own error
+            logger.warning("hf_accel: cleaning up after a failed CUDA graph capture failed too (%s: %s); random "
+                           "ops or memory on this device may misbehave", type(exc).__name__, exc)
 
 
 class CaptureMemory:
@@ -181,7 +203,11 @@ class FullCUDAGraphRunner:
             if prepare_fn is not None:
                 prepare_fn(key)
             torch.cuda.synchronize()
-            graph, out = capture_graph(lambda k=key: run_fn(k), self.pool)
+            try:
+                graph, out = capture_graph(lambda k=key: run_fn(k), self.pool)
+            except BaseException:
+                self.pool = None  # a later capture takes a new handle (see capture_graph)
+                raise
             graph.replay()  # capture only records; replay so the buffers hold a real result
             self._graphs[key] = (graph, weak_ref_tree(out))
         torch.cuda.synchronize()

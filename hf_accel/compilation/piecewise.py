@@ -638,6 +638,9 @@ class PiecewiseForward:
             self.capturing_size, self.pool_ptrs = size, set()
             try:
                 run_fn(size)
+            except BaseException:
+                self.graph_pool = None  # a later capture takes a new handle (see cuda_graph.capture_graph)
+                raise
             finally:
                 self.capturing_size, self.pool_ptrs = None, set()
             self.stats.captured_sizes.append(size)
