@@ -17,6 +17,7 @@ Decisions where stock behaviour cannot be reproduced row by row (written down in
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import time
@@ -284,8 +285,8 @@ class EngineGenerator:
                 raise ValueError(f"row {b} of the batch is all padding (attention_mask is all zeros): nothing to "
                                  "generate from")
             if len(prompt) + max_new > max_pos:
-                raise ValueError(f"row {b}: prompt of {len(prompt)} tokens + {max_new} new tokens exceeds the "
-                                 f"model's max_position_embeddings ({max_pos})")
+                raise ValueError(f"row {b}: prompt of {len(prompt)} tokens + {max_new} new tokens exceeds {max_pos} "
+                                 f"tokens, {self.engine.shape.context_limit_reason}")
             padded_row = rows_cpu[b].tolist()
             for _ in range(n_ret):
                 rid = self.engine.new_request_id()
@@ -341,7 +342,8 @@ class EngineGenerator:
         from tqdm.auto import tqdm
         from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-        gc = generation_config if generation_config is not None else self.model.generation_config
+        # a copy: the special-token tensors prepared below go into it, not into the caller's (or the model's) config
+        gc = copy.deepcopy(generation_config if generation_config is not None else self.model.generation_config)
         n_ret = max(1, gc.num_return_sequences or 1)
         max_new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
         if max_new is None:
@@ -351,14 +353,28 @@ class EngineGenerator:
         eos = frozenset(eos_ids(gc))
         base_seed = self._agreed(call_seed(None, bool(gc.do_sample)), bool(gc.do_sample))
         max_pos = self.engine.shape.max_model_len
+        device = self.engine.device
+        model = self.model
+        # the config's other processors (suppress_tokens, bad_words_ids, no_repeat_ngram_size, ...) run per row as
+        # in generate(): the batched sampler reproduces only the penalty / min-length / warper family
+        model._prepare_special_tokens(generation_config=gc, kwargs_has_attention_mask=True, device=device)
+
+        def row_processors(prompt: list[int]) -> LogitsProcessorList | None:
+            rows = torch.tensor([prompt], dtype=torch.long, device=device)
+            processors = model._get_logits_processor(
+                generation_config=gc, input_ids_seq_length=len(prompt), encoder_input_ids=rows,
+                logits_processor=LogitsProcessorList(), device=device,
+                model_kwargs={"attention_mask": torch.ones_like(rows)})
+            return processors if any(not isinstance(p, _FAST_PROCESSORS) for p in processors) else None
+
         requests, ids = [], []
         for i, prompt in enumerate(inputs):
             prompt = [int(t) for t in prompt]
             if not prompt:
                 raise ValueError(f"input {i} is an empty prompt")
             if len(prompt) + max_new > max_pos:
-                raise ValueError(f"input {i}: prompt of {len(prompt)} tokens + {max_new} new tokens exceeds the "
-                                 f"model's max_position_embeddings ({max_pos})")
+                raise ValueError(f"input {i}: prompt of {len(prompt)} tokens + {max_new} new tokens exceeds {max_pos} "
+                                 f"tokens, {self.engine.shape.context_limit_reason}")
             # stock naming: input i is "req_i"; its extra copies (num_return_sequences) "req_i__child#k", listed first
             for k in range(n_ret):
                 ids.append(f"req_{i}__child#{k}" if k < n_ret - 1 else f"req_{i}")
@@ -370,6 +386,9 @@ class EngineGenerator:
                         min_p=float(gc.min_p or 0.0), repetition_penalty=float(gc.repetition_penalty or 1.0),
                         min_new_tokens=int(gc.min_new_tokens or 0), seed=base_seed + 7919 * len(requests)),
                     eos_token_ids=eos))
+                processors = row_processors(prompt)
+                if processors is not None:
+                    requests[-1].logits_hook = _processor_hook(processors, _row_view(prompt), device)
         created = time.perf_counter()
         pbar = tqdm(total=len(requests), disable=not progress_bar, desc=f"Solving {len(requests)} requests",
                     unit="request") if progress_bar else None

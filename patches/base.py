@@ -42,4 +42,34 @@ class FamilyPatch:
 
     def unsupported_reason(self, config) -> str | None:
         """Why this configuration of the family cannot be accelerated, or None."""
+        v_dim = getattr(config, "v_head_dim", None)
+        if v_dim and getattr(config, "qk_rope_head_dim", None) and v_dim > self.attention_head_dim(config):
+            return (f"its values are wider (v_head_dim={v_dim}) than its queries and keys "
+                    f"({self.attention_head_dim(config)}); the paged KV cache holds one head dim for both")
         return None
+
+    def attention_head_dim(self, config) -> int:
+        """The head dim of the queries and keys the model hands to its attention function, which sizes the KV cache.
+
+        Multi-head latent attention (DeepSeek-V2/V3: `qk_nope_head_dim` + `qk_rope_head_dim`) gives q and k both
+        parts, and `config.head_dim` there is the rope part only; its values (`v_head_dim`, no wider) are padded to
+        this width in the cache, as transformers does for flash-attention (hf_accel.attention.op)."""
+        nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+        if nope and rope:
+            return int(nope) + int(rope)
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def context_limit(self, config) -> tuple[int, str] | None:
+        """A context shorter than `max_position_embeddings` that hf_accel can serve exactly, with why; else None.
+
+        Chunked attention (Llama 4's `attention_chunk_size`: a query at position p sees only the keys of its own
+        chunk, [p - p % C, p]) is not implemented by the attention backends. Within the first chunk it is plain
+        causal attention, so sequences of up to C tokens are exact and longer ones are refused with this reason
+        (stock generate() after restore(model) serves them)."""
+        chunk = getattr(config, "attention_chunk_size", None)
+        layer_types = getattr(config, "layer_types", None)
+        if not chunk or (layer_types is not None and "chunked_attention" not in layer_types):
+            return None
+        return int(chunk), (f"its chunked attention (attention_chunk_size={int(chunk)}) is not implemented by "
+                            "hf_accel; within one chunk it is plain causal attention, so hf_accel serves sequences "
+                            "of up to one chunk (use restore(model) and stock generate() for longer ones)")

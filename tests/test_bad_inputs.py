@@ -414,3 +414,40 @@ def test_attention_that_disagrees_with_the_config_is_a_clear_error():
         assert_engine_idle(model)
     finally:
         restore(model)
+
+
+def test_chunked_attention_model_is_served_up_to_one_chunk_exactly_and_refused_beyond():
+    """Llama 4's chunked attention is not implemented by the backends: within one chunk it is causal attention, so a
+    sequence of up to one chunk is exact (greedy equals stock) and a longer one is refused with the reason, never
+    answered with full attention across chunks (a hostile test found the wrong tokens, 2026-12-01)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(0)
+    cfg = Llama4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_local_experts=1, attention_chunk_size=16, max_position_embeddings=256,
+                           pad_token_id=0, eos_token_id=None)
+    model = Llama4ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 128, (2, 6))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+    ref = model.generate(ids, **kw)
+    accelerate_model(model, compile=False)
+    try:
+        assert torch.equal(model.generate(ids, **kw), ref)  # 16 tokens: one chunk
+        with pytest.raises(ValueError, match="attention_chunk_size=16"):
+            model.generate(ids, **{**kw, "max_new_tokens": 11})
+    finally:
+        restore(model)
+
+
+def test_latent_attention_with_values_wider_than_keys_is_refused():
+    """The paged cache holds one head dim for keys and values; narrower values are padded into it (DeepSeek's
+    MLA, tests/test_families_ab.py), wider ones cannot be, so accelerate_model says so instead of failing later."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                           num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)
+    with pytest.raises(NotImplementedError, match="v_head_dim=32"):
+        accelerate_model(DeepseekV3ForCausalLM(cfg).eval())

@@ -420,6 +420,20 @@ def test_agenerate_stream_deltas_abort_and_cancel(pair):
     reasons = asyncio.run(abort_one_then_break())
     assert reasons[0] == "abort"
     assert_engine_idle(accel)
+
+    async def abort_one_at_once():  # before the engine loop took the call in: still only that sequence
+        stream = accel.agenerate_stream(**{**kw, "max_new_tokens": 20})
+        stream.abort(1)
+        reasons = {}
+        async for d in stream:
+            if d.finish_reason:
+                reasons[d.sequence] = d.finish_reason
+        return reasons
+
+    for _ in range(3):  # the abort lands before or after admission, whichever the loop thread makes of it
+        reasons = asyncio.run(abort_one_at_once())
+        assert reasons[1] == "abort" and all(r == "length" for i, r in reasons.items() if i != 1), reasons
+    assert_engine_idle(accel)
     assert bm.num_free_blocks == bm.num_usable_blocks
 
     async def cancel_task():

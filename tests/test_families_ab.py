@@ -26,6 +26,11 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                      moe_intermediate_size=32, decoder_sparse_step=1),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    # multi-head latent attention: q/k head dim 16 + 8, values 8 wide (padded in the cache), routed + shared experts
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=8, n_group=1, topk_group=1),
 }
 
 _models: dict[str, torch.nn.Module] = {}

@@ -650,6 +650,21 @@ def test_generate_batch_max_new_tokens_kwarg(stock_model, accel_model):
         assert out[f"req_{i}"].generated_tokens == ref[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("option", [dict(suppress_tokens=list(range(3, 120))),
+                                    dict(bad_words_ids=[[t] for t in range(3, 120)]),
+                                    dict(no_repeat_ngram_size=1)], ids=["suppress", "bad_words", "no_repeat_ngram"])
+def test_generate_batch_applies_the_configs_other_processors(stock_model, accel_model, option):
+    """The config's processors beyond sampling (suppress_tokens, bad_words_ids, no_repeat_ngram_size) apply per
+    prompt as generate() applies them; they were silently dropped (a hostile test, 2026-12-01)."""
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **option)
+    out = accel_model.generate_batch(PROMPTS, generation_config=gc)
+    assert_engine_idle(accel_model)
+    for i, prompt in enumerate(PROMPTS):
+        ref = stock_model.generate(torch.tensor([prompt]), generation_config=gc)
+        assert out[f"req_{i}"].generated_tokens == ref[0, len(prompt):].tolist(), f"req_{i}"
+    assert getattr(gc, "_eos_token_tensor", None) is None  # the caller's config is left as it was given
+
+
 # -- stock path for unsupported modes -----------------------------------------------------------------------------
 def _hf_accel_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "hf_accel" in str(w.message)]
@@ -795,3 +810,51 @@ def test_stock_path_inside_stock_path(stock_model, accel_model):
         got = accel_model.generate(**common, assistant_model=accel_model)
     assert_same_tokens(want, got)
     assert accel_model.config._attn_implementation == ATTN_IMPLEMENTATION_NAME
+
+
+# -- distributions that are not one, processors that change the shape ------------------------------------------------
+class _Flood(LogitsProcessor):
+    """Sets every score of a step to `value` (NaN, or -inf: nothing left to sample from)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __call__(self, input_ids, scores):
+        return torch.full_like(scores, self.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")], ids=["nan", "all-neg-inf"])
+def test_sampling_from_no_distribution_raises_as_stock_does(stock_model, accel_model, value):
+    """Stock's torch.multinomial raises on NaN / all -inf probabilities; the exponential race would quietly draw
+    token 0 (a hostile test found it, 2026-12-01). The engine stays usable afterwards."""
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True,
+              logits_processor=LogitsProcessorList([_Flood(value)]))
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        stock_model.generate(**kw)
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        accel_model.generate(**kw)
+    assert_engine_idle(accel_model)
+    greedy = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert_same_tokens(*ab(stock_model, accel_model, **greedy))
+
+
+class _BatchState(LogitsProcessor):
+    """Keeps a `[B, V]` state and adds it: called per row under hf_accel, it returns a `[B, V]` result."""
+
+    def __init__(self, rows: int, vocab: int) -> None:
+        self.bias = torch.zeros(rows, vocab)
+
+    def __call__(self, input_ids, scores):
+        return scores + self.bias.to(scores.device)
+
+
+def test_processor_returning_another_shape_is_an_error_not_row_zero(accel_model):
+    """Processors run once per row ([1, V] scores). One that returns [B, V] (batch state) used to be cut to its row 0
+    for every row: now the call fails naming the shapes."""
+    ids, mask = left_pad(PROMPTS)
+    proc = _BatchState(ids.shape[0], accel_model.config.vocab_size)
+    with pytest.raises(ValueError, match=r"returned scores of shape \(3, "):
+        accel_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                             logits_processor=LogitsProcessorList([proc]))
+    assert_engine_idle(accel_model)

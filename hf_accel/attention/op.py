@@ -122,10 +122,15 @@ def hf_accel_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    v_dim = v.shape[-1]
+    if v_dim < q.shape[-1]:  # latent attention (DeepSeek): narrower values ride in the cache padded with zeros,
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))  # which add nothing to the output's columns
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     torch.ops.hf_accel.attention(
         q.contiguous(), k.contiguous(), v.contiguous(), out, int(module.layer_idx), scale,
         int(sliding_window or 0), float(softcap or 0.0),
     )
+    if v_dim < q.shape[-1]:
+        out = out[..., :v_dim]
     return out.unsqueeze(0), None

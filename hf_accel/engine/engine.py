@@ -27,6 +27,7 @@ from hf_accel.engine.sampler import Sampler
 from hf_accel.engine.scheduler import Scheduler
 from hf_accel.engine.tensor_parallel import TensorParallel, local_heads, tensor_parallel_of
 from hf_accel.ops import pdl
+from hf_accel.patches import family_patch
 
 if TYPE_CHECKING:
     from hf_accel.engine.tp_driver import LeaderDriver
@@ -45,17 +46,25 @@ class ModelShape:
     head_dim: int
     max_model_len: int
     vocab_size: int
+    # what limits max_model_len, for error messages (a family's `context_limit` may lower it below the config's)
+    context_limit_reason: str = "the model's max_position_embeddings"
 
     @classmethod
     def from_config(cls, config, tp: TensorParallel | None = None) -> ModelShape:
         """The attention shape one rank runs: with tensor parallel `tp`, its own share of the heads."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        patch = family_patch(getattr(text, "model_type", ""))
+        head_dim = patch.attention_head_dim(text)
         num_heads, num_kv_heads = local_heads(heads, getattr(text, "num_key_value_heads", None) or heads, tp)
+        max_len = getattr(text, "max_position_embeddings", None) or 2048
+        reason = "the model's max_position_embeddings"
+        limit = patch.context_limit(text)
+        if limit is not None and limit[0] < max_len:
+            max_len, reason = limit[0], f"the context hf_accel serves for this model: {limit[1]}"
         return cls(
             num_layers=text.num_hidden_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            max_model_len=getattr(text, "max_position_embeddings", None) or 2048, vocab_size=text.vocab_size,
+            max_model_len=max_len, vocab_size=text.vocab_size, context_limit_reason=reason,
         )
 
 
@@ -67,6 +76,7 @@ class _InFlight:
     sampled: list[Request]
     inputs_ready: torch.cuda.Event | None = None
     tokens: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # tokens, then the sampler's invalid-row flags where any row sampled
     rows: dict[int, int] = field(default_factory=dict)  # id(request) -> its row in tokens
     host_tokens: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
@@ -351,11 +361,16 @@ class LLMEngine:
         if not sampled:
             return flight
         tokens, scores = self.sampler(logits, sampled)
-        flight.tokens = tokens
         flight.rows = {id(r): i for i, r in enumerate(sampled)}
+        if self.sampler.invalid is not None:  # sampling rows: their validity comes back in the same copy
+            packed = torch.cat([tokens, self.sampler.invalid.to(tokens.dtype)])
+            tokens = packed[: len(sampled)]
+        else:
+            packed = tokens
+        flight.tokens, flight.packed = tokens, packed
         if self.allow_async and tokens.device.type == "cuda":
-            flight.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            flight.host_tokens.copy_(tokens, non_blocking=True)
+            flight.host_tokens = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            flight.host_tokens.copy_(packed, non_blocking=True)
             flight.ready = torch.cuda.Event()
             flight.ready.record()
         if any(r.want_scores or r.want_logits for r in sampled):
@@ -372,12 +387,20 @@ class LLMEngine:
             flight.ready.synchronize()
             token_list = flight.host_tokens.tolist()
         else:
-            token_list = flight.tokens.tolist()
+            token_list = flight.packed.tolist()
+        n = len(flight.sampled)
+        invalid = token_list[n:] or [0] * n  # the sampler's flags, where any row sampled
         out = []
-        for i, (req, tok) in enumerate(zip(flight.sampled, token_list)):
+        for i, (req, tok) in enumerate(zip(flight.sampled, token_list[:n])):
             req.num_pending_tokens -= 1
             if req.status == RequestStatus.FINISHED:
                 continue  # finished by the token before, while this one was already being computed: dropped
+            if invalid[i]:  # stock's torch.multinomial raises here: the request's call fails with its error
+                self._hook_errors.append((req, RuntimeError(
+                    "probability tensor contains either `inf`, `nan` or element < 0 (the logits of a sampled "
+                    "step, after the logits processors, were NaN, +inf, or all -inf)")))
+                self.scheduler.finish(req, "abort")
+                continue
             req.output_token_ids.append(tok)
             if req.want_scores:
                 req.scores.append(flight.scores[i].detach().clone())

@@ -308,10 +308,10 @@ class EngineLoop:
             if not self._work.wait(HEARTBEAT_S):
                 driver.send(step=False)
             return True
+        for call in incoming:  # admitted first: an abort of one sequence of a call that arrived in the same
+            self._admit(call)  # iteration must find the call's requests, not end the whole call
         for call, request, error in aborts:
             self._abort(call, request, error)
-        for call in incoming:
-            self._admit(call)
         if not self._calls and not eng.is_busy:
             if driver is not None:
                 driver.send(step=False)  # what changed (aborts, a failed admission) still reaches the others

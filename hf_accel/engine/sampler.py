@@ -181,10 +181,22 @@ class Sampler:
 
     def __init__(self) -> None:
         self.hook_errors: list[tuple[Request, BaseException]] = []
+        # rows of the last call whose distribution was not one (see __call__); None when no row sampled
+        self.invalid: torch.Tensor | None = None
 
     def _run_hook(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
         try:
-            return req.logits_hook(req, logits)[0]
+            out = req.logits_hook(req, logits)
+            if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+                # processors run once per row here (README): one that returns another shape (state kept for the
+                # whole batch, a narrowed vocabulary) would otherwise broadcast or crash far from its cause
+                shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(
+                    f"a logits processor returned scores of shape {shape} for scores of shape {tuple(logits.shape)}; "
+                    "under hf_accel each processor is called once per row with [1, vocab] scores and must return "
+                    "that shape (a processor that keeps per-batch state cannot run per row: call restore(model) "
+                    "to use it with stock generate())")
+            return out[0]
         except BaseException as exc:  # noqa: BLE001 - the call's own error (even KeyboardInterrupt): its call fails
             self.hook_errors.append((req, exc))
             return logits[0]
@@ -195,7 +207,13 @@ class Sampler:
         Scores are the processed logits that stock `generate()` reports as `scores`. Plain greedy steps take the
         argmax of the logits as they come (exact in any dtype) and skip the float32 copy unless a request keeps
         its scores or logits.
+
+        A sampling row whose probabilities are not a distribution (a NaN or +inf score, or every score -inf: NaN
+        after the softmax) is where stock's `torch.multinomial` raises. Its token stays a valid id (a step may
+        already feed it to the next forward) and `self.invalid` (bool `[N]`, on the device) marks it; the engine
+        reads it back with the tokens and fails that request's call with stock's error.
         """
+        self.invalid = None
         plain = all(
             r.sampling.is_greedy and r.sampling.repetition_penalty == 1.0 and r.logits_hook is None
             and r.num_generated >= r.sampling.min_new_tokens
@@ -230,9 +248,13 @@ class Sampler:
             steps = torch.tensor([reqs[i].num_generated for i in sampling_rows], dtype=torch.int64)
             # the exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i
             noise = _exponential(seeds.to(device), steps.to(device), scores.shape[-1])
-            drawn = (sub_scores.softmax(dim=-1) / noise).argmax(dim=-1)
+            probs = sub_scores.softmax(dim=-1)
+            drawn = (probs / noise).argmax(dim=-1)
+            invalid = probs.isnan().any(dim=-1)  # the softmax of finite scores, not all -inf, has no NaN
             if all_rows:
-                tokens = drawn
+                tokens, self.invalid = drawn, invalid
             else:
                 tokens[rows] = drawn
+                self.invalid = torch.zeros(len(reqs), dtype=torch.bool, device=device)
+                self.invalid[rows] = invalid
         return tokens, scores

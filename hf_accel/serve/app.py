@@ -473,9 +473,15 @@ def _vocab_size(model: Any) -> int | None:
 
 
 def _max_context(model: Any, tokenizer: Any) -> int | None:
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and limit > 0:
-        return limit
+        try:  # what the engine serves: a family may serve less (Llama 4's chunked attention: one chunk)
+            from hf_accel.engine.engine import ModelShape
+
+            return min(limit, ModelShape.from_config(config).max_model_len)
+        except (AttributeError, TypeError):  # a config without the attention shape: the plain limit
+            return limit
     limit = getattr(tokenizer, "model_max_length", None)
     return limit if isinstance(limit, int) and 0 < limit < 10_000_000 else None
 
