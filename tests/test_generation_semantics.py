@@ -20,6 +20,7 @@ from conftest import (
     engine_steps,
     fresh_copy,
     left_pad,
+    make_llama,
     run_requests,
     stock_processors,
 )
@@ -858,3 +859,26 @@ def test_processor_returning_another_shape_is_an_error_not_row_zero(accel_model)
         accel_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
                              logits_processor=LogitsProcessorList([proc]))
     assert_engine_idle(accel_model)
+
+
+
+def test_a_request_that_makes_nan_kv_does_not_reach_the_next_users_of_its_blocks():
+    """A NaN in one request's KV (a NaN embedding row here; fp16 overflow in practice) stays that request's: the
+    blocks it leaves are reused by later calls, whose masked slots must not turn 0 * NaN into NaN (the torch
+    backend multiplied the whole block by the attention weights; found by a review, 2026-12-01)."""
+    stock = make_llama(0)
+    with torch.no_grad():
+        stock.model.embed_tokens.weight[199] = float("nan")
+    accel = accelerate_model(fresh_copy(stock))
+    try:
+        ids, mask = left_pad(PROMPTS)
+        greedy = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        ref = stock.generate(**greedy)
+        bad = torch.tensor([[5, 6, 199, 7]])
+        accel.generate(bad, attention_mask=torch.ones_like(bad), max_new_tokens=10, do_sample=False)
+        k, v = engine_of(accel).kv_caches[0]
+        assert v.isnan().any()  # the NaN request did leave NaN KV behind in its (now free) blocks
+        for _ in range(2):
+            assert torch.equal(accel.generate(**greedy), ref)
+    finally:
+        restore(accel)

@@ -35,6 +35,10 @@ class TorchAttentionBackend(AttentionBackend):
         q_pos = meta.context_lens[:num_seqs, None].to(torch.long) + j[None, :]  # [B, Qmax]
         self._q_pos = q_pos
         self._kv_pos = kv_pos
+        # slots past a sequence's length hold whatever an earlier owner of the block left: zeroed in V below, since a
+        # zero attention weight times a stale NaN is still NaN (one request's NaN would reach the next user of its
+        # blocks)
+        self._kv_valid = kv_pos[None, :] < meta.seq_lens[:num_seqs, None].to(torch.long)  # [B, L]
         self._base_mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
             kv_pos[None, None, :] < meta.seq_lens[:num_seqs, None, None]
         )  # [B, Qmax, L]
@@ -57,6 +61,7 @@ class TorchAttentionBackend(AttentionBackend):
         # [B, L, Hkv, D] straight from the paged cache
         k = k_cache[self._kv_blocks].flatten(1, 2).float()
         v = v_cache[self._kv_blocks].flatten(1, 2).float()
+        v = torch.where(self._kv_valid[:, :, None, None], v, 0.0)
         q = query[self._q_index].float().view(num_seqs, qmax, num_kv_heads, group, head_dim)
         scores = torch.einsum("bqhgd,blhd->bhgql", q, k) * scale
         if softcap > 0:
