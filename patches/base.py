@@ -66,10 +66,32 @@ class FamilyPatch:
         chunk, [p - p % C, p]) is not implemented by the attention backends. Within the first chunk it is plain
         causal attention, so sequences of up to C tokens are exact and longer ones are refused with this reason
         (stock generate() after restore(model) serves them)."""
+        limits = []
         chunk = getattr(config, "attention_chunk_size", None)
         layer_types = getattr(config, "layer_types", None)
-        if not chunk or (layer_types is not None and "chunked_attention" not in layer_types):
+        if chunk and (layer_types is None or "chunked_attention" in layer_types):
+            limits.append((int(chunk), f"its chunked attention (attention_chunk_size={int(chunk)}) is not "
+                                       "implemented by hf_accel; within one chunk it is plain causal attention"))
+        step = self.step_token_limit(config)
+        if step is not None:
+            limits.append(step)
+        if not limits:
             return None
-        return int(chunk), (f"its chunked attention (attention_chunk_size={int(chunk)}) is not implemented by "
-                            "hf_accel; within one chunk it is plain causal attention, so hf_accel serves sequences "
-                            "of up to one chunk (use restore(model) and stock generate() for longer ones)")
+        limit, why = min(limits)
+        return limit, (f"{why}, so hf_accel serves sequences of up to {limit} tokens (use restore(model) and stock "
+                       "generate() for longer ones)")
+
+    def step_token_limit(self, config) -> tuple[int, str] | None:
+        """The most tokens one engine step may pack for this configuration, with why; else None.
+
+        Llama 4's no-rope layers with `attn_temperature_tuning` scale each query by log1p(floor((i + 1) /
+        floor_scale)), where transformers takes i from the forward's own token count (0..T-1 without a cache),
+        not from the position ids. That factor is exactly 1 while i + 1 < floor_scale, in stock generate()
+        and in a packed engine step alike, so both the context and a step's tokens stay below floor_scale - 1."""
+        no_rope = getattr(config, "no_rope_layers", None)
+        floor_scale = getattr(config, "floor_scale", None)
+        if not getattr(config, "attn_temperature_tuning", False) or not floor_scale or not no_rope or all(no_rope):
+            return None
+        return int(floor_scale) - 1, (f"its no-rope layers scale queries by the token's index once it reaches "
+                                      f"floor_scale - 1 ({int(floor_scale) - 1}), which transformers counts within "
+                                      "each forward, not from the positions")

@@ -451,3 +451,33 @@ def test_latent_attention_with_values_wider_than_keys_is_refused():
                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)
     with pytest.raises(NotImplementedError, match="v_head_dim=32"):
         accelerate_model(DeepseekV3ForCausalLM(cfg).eval())
+
+
+def test_llama4_no_rope_temperature_layers_stay_exact_within_their_limit():
+    """Llama 4's no-rope layers with attn_temperature_tuning scale each query by its index within the forward
+    (transformers counts 0..T-1, not the positions), which a packed engine step would get wrong once an index
+    reaches floor_scale - 1 (a review found logits off by up to 6.5). Context and step size stay below it: exact
+    within, refused beyond."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(0)
+    cfg = Llama4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_local_experts=1, attention_chunk_size=64, max_position_embeddings=256,
+                           pad_token_id=0, eos_token_id=None, no_rope_layers=[1, 0], floor_scale=12,
+                           attn_scale=2.0, attn_temperature_tuning=True)
+    model = Llama4ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)  # attention sharp enough for a query scale to change tokens
+    ids = torch.randint(3, 128, (8, 4))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=7, do_sample=False)
+    ref = model.generate(ids, **kw)
+    accelerate_model(model, compile=False)
+    try:
+        assert engine_of(model).scheduler.max_num_batched_tokens == 11  # 8 rows x 4 prompt tokens: three steps
+        assert torch.equal(model.generate(ids, **kw), ref)
+        with pytest.raises(ValueError, match="floor_scale - 1"):
+            model.generate(ids, **{**kw, "max_new_tokens": 8})
+    finally:
+        restore(model)

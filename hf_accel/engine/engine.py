@@ -48,6 +48,7 @@ class ModelShape:
     vocab_size: int
     # what limits max_model_len, for error messages (a family's `context_limit` may lower it below the config's)
     context_limit_reason: str = "the model's max_position_embeddings"
+    max_step_tokens: int | None = None  # a family's cap on one step's packed tokens (`step_token_limit`)
 
     @classmethod
     def from_config(cls, config, tp: TensorParallel | None = None) -> ModelShape:
@@ -62,9 +63,11 @@ class ModelShape:
         limit = patch.context_limit(text)
         if limit is not None and limit[0] < max_len:
             max_len, reason = limit[0], f"the context hf_accel serves for this model: {limit[1]}"
+        step = patch.step_token_limit(text)
         return cls(
             num_layers=text.num_hidden_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             max_model_len=max_len, vocab_size=text.vocab_size, context_limit_reason=reason,
+            max_step_tokens=step[0] if step is not None else None,
         )
 
 
@@ -112,7 +115,12 @@ class LLMEngine:
             raise ValueError(f"block_size {self.block_size} is not supported by the {backend_cls.name} backend "
                              f"(supports {backend_cls.supported_block_sizes})")
         self.max_blocks_per_seq = -(-self.shape.max_model_len // self.block_size)
-        self.max_num_tokens = max(cfg.max_num_batched_tokens, max(cfg.cudagraph_capture_sizes or [1]))
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens
+        if self.shape.max_step_tokens is not None and self.shape.max_step_tokens < cfg.max_num_batched_tokens:
+            logger.info("hf_accel: at most %d tokens per step for this model (%s)", self.shape.max_step_tokens,
+                        type(model).__name__)
+            self.max_num_batched_tokens = self.shape.max_step_tokens
+        self.max_num_tokens = max(self.max_num_batched_tokens, max(cfg.cudagraph_capture_sizes or [1]))
         self.stats = EngineStats()
         t0 = time.perf_counter()
         if progress is not None:
@@ -128,7 +136,7 @@ class LLMEngine:
         self.kv_cache_bytes = num_blocks * bytes_per_block(self.shape.num_layers, self.block_size,
                                                            self.shape.num_kv_heads, self.shape.head_dim, spec.dtype)
         self.block_manager = BlockManager(num_blocks, self.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.backend, self.kv_caches, self.block_size, cfg.max_num_seqs,
                                   self.max_num_tokens, self.max_blocks_per_seq, self.shape.max_model_len)
         self.sampler = Sampler()
@@ -232,7 +240,7 @@ class LLMEngine:
         from hf_accel.attention.context import ForwardContext, forward_context
         from hf_accel.attention.metadata import StepMetadata
 
-        t = min(self.cfg.max_num_batched_tokens, self.shape.max_model_len)
+        t = min(self.max_num_batched_tokens, self.shape.max_model_len)
         nblk = -(-t // self.block_size) + 1
         caches = allocate_kv_cache(self.shape.num_layers, nblk, self.block_size, self.shape.num_kv_heads,
                                    self.shape.head_dim, next(self.model.parameters()).dtype, self.device)
