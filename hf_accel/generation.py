@@ -361,8 +361,12 @@ class EngineGenerator:
 
         def row_processors(prompt: list[int]) -> LogitsProcessorList | None:
             rows = torch.tensor([prompt], dtype=torch.long, device=device)
+            row_gc = copy.copy(gc)  # the lengths resolved for this prompt, as generate() resolves them for its batch
+            row_gc.max_length = len(prompt) + max_new  # (ForcedEOS reads max_length)
+            if gc.min_new_tokens is not None:
+                row_gc.min_length = gc.min_new_tokens + len(prompt)
             processors = model._get_logits_processor(
-                generation_config=gc, input_ids_seq_length=len(prompt), encoder_input_ids=rows,
+                generation_config=row_gc, input_ids_seq_length=len(prompt), encoder_input_ids=rows,
                 logits_processor=LogitsProcessorList(), device=device,
                 model_kwargs={"attention_mask": torch.ones_like(rows)})
             return processors if any(not isinstance(p, _FAST_PROCESSORS) for p in processors) else None

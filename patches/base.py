@@ -42,6 +42,9 @@ class FamilyPatch:
 
     def unsupported_reason(self, config) -> str | None:
         """Why this configuration of the family cannot be accelerated, or None."""
+        if getattr(config, "index_topk", None) or getattr(config, "index_head_dim", None):
+            return ("its sparse attention (a lightning indexer picks index_topk keys per query, as DeepSeek-V3.2 "
+                    "does) is not implemented by hf_accel's attention backends")
         v_dim = getattr(config, "v_head_dim", None)
         if v_dim and getattr(config, "qk_rope_head_dim", None) and v_dim > self.attention_head_dim(config):
             return (f"its values are wider (v_head_dim={v_dim}) than its queries and keys "

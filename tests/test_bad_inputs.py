@@ -481,3 +481,16 @@ def test_llama4_no_rope_temperature_layers_stay_exact_within_their_limit():
             model.generate(ids, **{**kw, "max_new_tokens": 8})
     finally:
         restore(model)
+
+
+def test_sparse_indexer_attention_is_refused():
+    """DeepSeek-V3.2-style sparse attention (an indexer picks index_topk keys per query) has MLA head dims, so it
+    passed as dense MLA and then failed inside generate(); the backends implement dense attention only."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    cfg = DeepseekV32Config(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, n_group=1, topk_group=1)
+    with pytest.raises(NotImplementedError, match="index_topk"):
+        accelerate_model(DeepseekV32ForCausalLM(cfg).eval())

@@ -653,7 +653,9 @@ def test_generate_batch_max_new_tokens_kwarg(stock_model, accel_model):
 
 @pytest.mark.parametrize("option", [dict(suppress_tokens=list(range(3, 120))),
                                     dict(bad_words_ids=[[t] for t in range(3, 120)]),
-                                    dict(no_repeat_ngram_size=1)], ids=["suppress", "bad_words", "no_repeat_ngram"])
+                                    dict(no_repeat_ngram_size=1), dict(forced_eos_token_id=EOS_ID),
+                                    dict(min_new_tokens=6, suppress_tokens=[7])],
+                         ids=["suppress", "bad_words", "no_repeat_ngram", "forced_eos", "min_new_tokens"])
 def test_generate_batch_applies_the_configs_other_processors(stock_model, accel_model, option):
     """The config's processors beyond sampling (suppress_tokens, bad_words_ids, no_repeat_ngram_size) apply per
     prompt as generate() applies them; they were silently dropped (a hostile test, 2026-12-01)."""

@@ -209,5 +209,6 @@ def follow(engine: LLMEngine, plans: TensorParallel) -> int:
             if plan.step:
                 engine.allow_async = plan.allow_async
                 engine.step()
+                engine.take_hook_errors()  # rank 0 fails the calls; here the requests finished with them already
                 for rid in [rid for rid, r in live.items() if r.is_finished]:
                     del live[rid]

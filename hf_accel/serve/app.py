@@ -474,7 +474,8 @@ def _vocab_size(model: Any) -> int | None:
 
 def _max_context(model: Any, tokenizer: Any) -> int | None:
     config = getattr(model, "config", None)
-    limit = getattr(config, "max_position_embeddings", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: the text model's
+    limit = getattr(text, "max_position_embeddings", None)
     if isinstance(limit, int) and limit > 0:
         try:  # what the engine serves: a family may serve less (Llama 4's chunked attention: one chunk)
             from hf_accel.engine.engine import ModelShape
