@@ -440,15 +440,19 @@ def test_chunked_attention_model_is_served_up_to_one_chunk_exactly_and_refused_b
         restore(model)
 
 
+# a one-layer multi-head latent attention model (DeepSeek-V3's family): q/k head dim 16 + 8, values 8 wide
+TINY_MLA = dict(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                v_head_dim=8, n_group=1, topk_group=1)
+
+
 def test_latent_attention_with_values_wider_than_keys_is_refused():
     """The paged cache holds one head dim for keys and values; narrower values are padded into it (DeepSeek's
     MLA, tests/test_families_ab.py), wider ones cannot be, so accelerate_model says so instead of failing later."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    cfg = DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                           num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
-                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1)
+    cfg = DeepseekV3Config(**{**TINY_MLA, "v_head_dim": 32})
     with pytest.raises(NotImplementedError, match="v_head_dim=32"):
         accelerate_model(DeepseekV3ForCausalLM(cfg).eval())
 
@@ -488,9 +492,6 @@ def test_sparse_indexer_attention_is_refused():
     passed as dense MLA and then failed inside generate(); the backends implement dense attention only."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-    cfg = DeepseekV32Config(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
-                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, n_group=1, topk_group=1)
+    cfg = DeepseekV32Config(**TINY_MLA)
     with pytest.raises(NotImplementedError, match="index_topk"):
         accelerate_model(DeepseekV32ForCausalLM(cfg).eval())
