@@ -788,6 +788,9 @@ def _plan_generate(model, stock_args: dict[str, Any], seed: int | None = None) -
                                                  num_rows=_num_rows(input_ids)))
     if reason is None:
         reason = _module_reason(model)
+    if reason is None and _peft_prompt_learning(model):
+        reason = ("a PEFT prompt-learning adapter (prompt / prefix / p-tuning: its virtual tokens enter through "
+                  "prepare_inputs_for_generation, which the engine does not run)")
     if reason is None and state is None:
         reason = "a copy of an accelerated model (accelerate_model(copy) to accelerate it)"
     if reason is None and input_ids is None:
@@ -829,6 +832,19 @@ def _all_modules(model) -> Iterator[torch.nn.Module]:
         seen.add(id(m))
         yield m
         stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+
+
+def _peft_prompt_learning(model) -> bool:
+    """Whether PEFT's generate() is driving this call for a prompt-learning adapter. PeftModelForCausalLM.generate
+    installs its own prepare_inputs_for_generation on the base model, which prepends the virtual tokens' embeddings
+    (prompt tuning) or their KV (prefix tuning); the engine packs the plain ids, so the adapter would be ignored."""
+    owner = getattr(vars(model).get("prepare_inputs_for_generation"), "__self__", None)
+    if owner is None or owner is model:
+        return False
+    try:
+        return bool(getattr(owner.active_peft_config, "is_prompt_learning", False))
+    except Exception:  # noqa: BLE001 - not a PEFT model, or one whose active config cannot be read: not this case
+        return False
 
 
 def _module_reason(model) -> str | None:

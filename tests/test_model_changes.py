@@ -506,6 +506,26 @@ def test_peft_per_row_adapters_run_stock():
     restore(accel)
 
 
+@pytest.mark.parametrize("kind", ["prompt", "prefix"])
+def test_peft_prompt_learning_adapters_run_stock(kind):
+    """Prompt / prefix tuning feed their virtual tokens through PEFT's prepare_inputs_for_generation, which the engine
+    never runs: the call takes stock's path with a warning (it gave the bare base model's tokens, silently; found
+    by a hostile test, 2026-12-01)."""
+    def build():
+        torch.manual_seed(1)
+        config = (peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5) if kind == "prompt"
+                  else peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5))
+        return peft.get_peft_model(make_llama(0, initializer_range=0.3), config).eval()
+
+    stock, accel = build(), accelerate_model(build())
+    ids, mask = left_pad([PROMPTS[0], PROMPTS[1]])
+    kw = dict(input_ids=ids, attention_mask=mask, **GEN)
+    with pytest.warns(UserWarning, match="prompt-learning"):
+        got = accel.generate(**kw)
+    assert torch.equal(got, stock.generate(**kw))
+    restore(accel)
+
+
 # -- second hostile review ---------------------------------------------------------------------------------------
 def _edits():
     """Changes to what the forward does that touch no parameter: each must be seen (cache dropped, compiled code

@@ -411,6 +411,22 @@ def test_malformed_bodies_get_400_and_the_server_stays_up(served):
     wait_blocks_free(served.model)
 
 
+def test_lone_surrogates_get_400_and_tiny_temperatures_decode_greedily(served):
+    """Valid JSON that is not valid Unicode text ("\\ud800") reached the tokenizer, which raised: a 500. A positive
+    temperature so small that logits / T overflows failed the sampler: a 500 too. (A hostile test, 2026-12-01.)"""
+    import json
+
+    for path, body in (("/v1/completions", {"model": NAME, "prompt": "hi \ud800"}),
+                       ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "a\ud800"}]})):
+        r = httpx.post(served.url + path, content=json.dumps(body).encode(),
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "Unicode" in r.json()["error"]["message"], r.text
+    greedy = served.client.completions.create(model=NAME, prompt="hi", max_tokens=6, temperature=0)
+    tiny = served.client.completions.create(model=NAME, prompt="hi", max_tokens=6, temperature=5e-324)
+    assert tiny.choices[0].text == greedy.choices[0].text
+    wait_blocks_free(served.model)
+
+
 # -- paths a real engine does not reach on demand: a scripted model -------------------------------------------------
 
 @pytest.fixture

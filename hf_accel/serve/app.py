@@ -34,6 +34,7 @@ logger = logging.getLogger("hf_accel.serve")
 MAX_N = 128  # choices per prompt: each one is a sequence in the engine's batch
 MAX_CHOICES = 1024  # choices per request (prompts times n)
 MAX_STOP = 16  # stop strings per request (each is searched for at every token)
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a temperature below this decodes greedily (its limit): logits / T would overflow
 _CONTEXT_TOKENS = 4  # prompt tokens the detokenizer decodes before the first generated token (leading spaces)
 
 
@@ -380,6 +381,11 @@ class _Server:
     def encode(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
         if not text:
             raise RequestError(f"{param} must not be empty", param=param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" is valid JSON): the tokenizer raises TypeError
+            raise RequestError(f"{param} is not valid Unicode text ({exc.reason} at character {exc.start})",
+                               param=param) from exc
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise RequestError(f"{param} has no tokens", param=param)
@@ -457,7 +463,7 @@ class _Server:
                                param="max_tokens", code="context_length_exceeded")
         kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "num_return_sequences": n,
                                   "eos_token_id": self.eos_ids or None, "pad_token_id": self.pad_id}
-        if temperature == 0:
+        if temperature < GREEDY_BELOW_TEMPERATURE:  # 0, or so small that logits / T overflows: the greedy limit
             kwargs["do_sample"] = False
         else:  # OpenAI's semantics: top-k only when asked for (generate() would apply top_k=50 by default)
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
