@@ -247,7 +247,14 @@ def lead(out_dir: str) -> None:
         def call_while_following(box):
             import time
 
-            time.sleep(0.5)
+            from hf_accel.api import _state_of
+
+            # once this rank follows (a fixed sleep raced on a loaded 2-core CI box: the call ran before the main
+            # thread had started following, stepped alone, and broke the job's pairing)
+            deadline = time.monotonic() + 120
+            while not _state_of(model).following and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)  # and a step or two into rank 0's schedule
             try:
                 model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=2, do_sample=False)
                 box.append("ran")
