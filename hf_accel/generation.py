@@ -359,17 +359,21 @@ class EngineGenerator:
         # in generate(): the batched sampler reproduces only the penalty / min-length / warper family
         model._prepare_special_tokens(generation_config=gc, kwargs_has_attention_mask=True, device=device)
 
-        def row_processors(prompt: list[int]) -> LogitsProcessorList | None:
+        def row_processors(prompt: list[int]) -> LogitsProcessorList:
             rows = torch.tensor([prompt], dtype=torch.long, device=device)
             row_gc = copy.copy(gc)  # the lengths resolved for this prompt, as generate() resolves them for its batch
             row_gc.max_length = len(prompt) + max_new  # (ForcedEOS reads max_length)
             if gc.min_new_tokens is not None:
                 row_gc.min_length = gc.min_new_tokens + len(prompt)
-            processors = model._get_logits_processor(
+            return model._get_logits_processor(
                 generation_config=row_gc, input_ids_seq_length=len(prompt), encoder_input_ids=rows,
                 logits_processor=LogitsProcessorList(), device=device,
                 model_kwargs={"attention_mask": torch.ones_like(rows)})
-            return processors if any(not isinstance(p, _FAST_PROCESSORS) for p in processors) else None
+
+        # which processors the config asks for does not depend on the prompt: decided once, built per prompt only
+        # when a hook is needed at all
+        first = [int(t) for t in inputs[0]] or [0]
+        hooked = any(not isinstance(p, _FAST_PROCESSORS) for p in row_processors(first))
 
         requests, ids = [], []
         for i, prompt in enumerate(inputs):
@@ -390,9 +394,8 @@ class EngineGenerator:
                         min_p=float(gc.min_p or 0.0), repetition_penalty=float(gc.repetition_penalty or 1.0),
                         min_new_tokens=int(gc.min_new_tokens or 0), seed=base_seed + 7919 * len(requests)),
                     eos_token_ids=eos))
-                processors = row_processors(prompt)
-                if processors is not None:
-                    requests[-1].logits_hook = _processor_hook(processors, _row_view(prompt), device)
+                if hooked:
+                    requests[-1].logits_hook = _processor_hook(row_processors(prompt), _row_view(prompt), device)
         created = time.perf_counter()
         pbar = tqdm(total=len(requests), disable=not progress_bar, desc=f"Solving {len(requests)} requests",
                     unit="request") if progress_bar else None

@@ -39,9 +39,7 @@ class TorchAttentionBackend(AttentionBackend):
         # zero attention weight times a stale NaN is still NaN (one request's NaN would reach the next user of its
         # blocks)
         self._kv_valid = kv_pos[None, :] < meta.seq_lens[:num_seqs, None].to(torch.long)  # [B, L]
-        self._base_mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
-            kv_pos[None, None, :] < meta.seq_lens[:num_seqs, None, None]
-        )  # [B, Qmax, L]
+        self._base_mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & self._kv_valid[:, None, :]  # [B, Qmax, L]
         self._window_masks: dict[int, torch.Tensor] = {}
 
     def _mask(self, sliding_window: int) -> torch.Tensor:

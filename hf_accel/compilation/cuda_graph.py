@@ -69,18 +69,16 @@ def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGrap
         pool = torch.cuda.graph_pool_handle()
     stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
+    ended = False
     try:
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool)
             try:
                 out = fn()
-            except BaseException:  # end the (now invalid) capture, but report fn's error, not capture_end's
-                end_failed_capture(graph, pool, stream)
-                raise
-            try:
+                ended = True  # from here on, a failure is capture_end's own (an op the capture refused silently)
                 graph.capture_end()
-            except BaseException:  # an op the capture refused without raising in fn (the capture was invalidated)
-                end_failed_capture(graph, pool, stream, ended=True)
+            except BaseException:  # clean up, but report fn's (or capture_end's) error
+                end_failed_capture(graph, pool, stream, ended=ended)
                 raise
     finally:
         torch.cuda.current_stream().wait_stream(stream)

@@ -397,13 +397,13 @@ class LLMEngine:
         else:
             token_list = flight.packed.tolist()
         n = len(flight.sampled)
-        invalid = token_list[n:] or [0] * n  # the sampler's flags, where any row sampled
+        invalid = token_list[n:]  # the sampler's flags, where any row sampled (else empty)
         out = []
         for i, (req, tok) in enumerate(zip(flight.sampled, token_list[:n])):
             req.num_pending_tokens -= 1
             if req.status == RequestStatus.FINISHED:
                 continue  # finished by the token before, while this one was already being computed: dropped
-            if invalid[i]:  # stock's torch.multinomial raises here: the request's call fails with its error
+            if invalid and invalid[i]:  # stock's torch.multinomial raises here: the request's call fails with its error
                 self._hook_errors.append((req, RuntimeError(
                     "probability tensor contains either `inf`, `nan` or element < 0 (the logits of a sampled "
                     "step, after the logits processors, were NaN, +inf, or all -inf)")))
