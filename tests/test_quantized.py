@@ -307,11 +307,14 @@ def _float8_per_row(monkeypatch):
     return quant_api.Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
 
 
-def test_inductor_rounds_float8_activations_as_eager_only_when_asked(monkeypatch):
-    """Inductor keeps a fused bf16 intermediate in float32 where eager rounds it; before an e4m3 cast that is a
-    whole quantization step (on the H200 our compiled float8 tokens parted from eager ones 9x as often as stock's
-    did). `inductor_settings(..., eager_casts=True)` must give eager's numbers exactly; without it they differ
-    (so the test can tell the setting matters)."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_inductor_rounds_float8_activations_as_eager_only_when_asked(monkeypatch, device):
+    """Inductor keeps a fused bf16 intermediate in float32 where eager rounds it, and Triton divides approximately
+    where eager rounds exactly; before an e4m3 cast either is a whole quantization step (on the H200 our compiled
+    float8 tokens parted from eager ones 9x as often as stock's did). `inductor_settings(..., eager_casts=True)`
+    must give eager's numbers exactly, on the CPU (C++ kernels) and the GPU (Triton kernels); without it they
+    differ (so the test can tell the setting matters)."""
     from torchao.quantization import quantize_
 
     from hf_accel.compilation.piecewise import inductor_settings
@@ -319,9 +322,9 @@ def test_inductor_rounds_float8_activations_as_eager_only_when_asked(monkeypatch
     config = _float8_per_row(monkeypatch)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.Linear(512, 256, bias=False))
-    net = net.to(torch.bfloat16)
+    net = net.to(device=device, dtype=torch.bfloat16)
     quantize_(net, config)
-    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    x = torch.randn(8, 256, dtype=torch.bfloat16, device=device)
     outs = {}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

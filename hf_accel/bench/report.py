@@ -98,7 +98,8 @@ def format_report(report: dict[str, Any]) -> str:
                            f"equal to the eager torch backend but for {ties} rounding near-tie(s)"
                            + (f", {guard['within_stock_self_noise']} row(s) of them beyond the dtype's rounding but "
                               f"within stock's own spread on the same rows (stock's own tokens up to "
-                              f"{guard['stock_self_noise']:.3g} logits beyond it)"
+                              f"{guard['stock_self_noise']:.3g} logits beyond it; "
+                              f"{', '.join(guard.get('stock_self_noise_sources') or ['decoding vs scoring'])})"
                               if guard.get("within_stock_self_noise") else "")
                            + f": {guard.get('tie_rule')})"))
         else:
@@ -206,10 +207,11 @@ def _failed_guard_case(name: str, case: dict[str, Any]) -> str:
         parts.append(f", stock lead over our token up to {max(leads):.3g}")
     spread = case.get("stock_self_spread")
     if spread:
-        parts.append(f" (stock's own tokens there: {spread['stock_beyond_margin']} of {spread['stock_steps']} steps "
-                     f"beyond the margin, by up to {spread['stock_max_excess']:.3g}; ours "
-                     f"{spread['ours_beyond_margin']} of {spread['ours_steps']})")
-    for error in (case.get("margin_error") or case.get("noise_error"),
+        source = f", {spread['source']}" if spread.get("source") else ""
+        parts.append(f" (stock's own tokens there{source}: {spread['stock_beyond_margin']} of "
+                     f"{spread['stock_steps']} steps beyond the margin, by up to {spread['stock_max_excess']:.3g}; "
+                     f"ours {spread['ours_beyond_margin']} of {spread['ours_steps']})")
+    for error in (case.get("margin_error") or case.get("noise_error") or case.get("kernel_noise_error"),
                   case.get("ours_error") or case.get("reference_error")):
         if error:
             parts.append(f" ({error})")

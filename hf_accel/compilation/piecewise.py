@@ -79,18 +79,35 @@ def inductor_settings(pdl: bool, eager_casts: bool = False) -> contextlib.Abstra
       quantize a model (`recommended_inductor_config_setter`); it then re-times every generated kernel on its first
       run, which took a llama-3.1-8b float8 start from about 20 s of compile to 166 s on the H200, for kernels that
       are a small part of a decode step next to the GEMMs and attention;
-    - with `eager_casts`, fused kernels round each intermediate to its eager dtype (`emulate_precision_casts`) as
-      eager PyTorch does, for models that quantize activations (`patches.quantization.quantizes_activations` says
-      why); elsewhere Inductor's extra precision is kept.
+    - with `eager_casts`, fused kernels round each intermediate to its eager dtype and divide exactly, as eager
+      PyTorch does (`eager_rounding_settings`), for models that quantize activations
+      (`patches.quantization.quantizes_activations` says why); elsewhere Inductor's extra precision is kept.
     """
     import torch._inductor.config as inductor_config
 
     settings: dict[str, Any] = {"coordinate_descent_tuning": False, "coordinate_descent_check_all_directions": False}
     if hasattr(inductor_config.triton, "enable_pdl"):
         settings["triton.enable_pdl"] = bool(pdl)
-    if eager_casts and hasattr(inductor_config, "emulate_precision_casts"):
-        settings["emulate_precision_casts"] = True
+    if eager_casts:
+        settings.update(eager_rounding_settings(inductor_config))
     return inductor_config.patch(settings)
+
+
+def eager_rounding_settings(inductor_config: Any) -> dict[str, bool]:
+    """The Inductor switches that make fused kernels round as eager PyTorch does, under whichever names this torch
+    has: keep each intermediate's downcast (`emulate_precision_casts`), and divide with IEEE rounding. Triton's
+    float32 `/` is an approximate division (`div.full.f32`, up to 2 ulp off) where eager rounds exactly; torchao's
+    float8 quantization divides each activation by its scale just before the e4m3 cast, so one ulp there is a whole
+    quantization step. The switch is `emulate_divison_rounding` (sic) up to torch 2.11 and
+    `eager_numerics.division_rounding` after."""
+    out: dict[str, bool] = {}
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        out["emulate_precision_casts"] = True
+    if hasattr(inductor_config, "emulate_divison_rounding"):
+        out["emulate_divison_rounding"] = True
+    elif hasattr(getattr(inductor_config, "eager_numerics", None), "division_rounding"):
+        out["eager_numerics.division_rounding"] = True
+    return out
 
 
 def _is_splitting_node(node: torch.fx.Node, ops: Sequence[Any]) -> bool:
