@@ -359,3 +359,36 @@ def test_float8_activation_model_compiles_with_eager_rounding_and_gives_stock_to
             assert torch.equal(model.generate(ids, **kw), ref)
         finally:
             restore(model)
+
+
+@pytest.mark.parametrize("method", [m for m in ("bnb-nf4", "torchao-int8-weight-only") if m in METHODS])
+def test_qlora_adapters_on_a_quantized_model_trained_in_place_between_generates(checkpoint, method):
+    """QLoRA as RL loops run it: LoRA adapters on a quantized base model, accelerated once (compiled), trained with
+    an optimizer between generate() calls. Every call must give what stock PEFT gives with the adapters as they are
+    now; the step must change the tokens, or the test could not tell a stale engine from a correct one."""
+    peft = pytest.importorskip("peft")
+    base = _load(checkpoint, method)
+    base.generation_config.pad_token_id = 0
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=64, init_lora_weights=False,
+                                                      target_modules=["q_proj", "v_proj", "down_proj"]))
+    # prompts of several KV blocks, so the second call finds them in the prefix cache unless the step clears it
+    ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(5))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = model.generate(**kw)
+        accelerate_model(model, compile=True)
+        try:
+            assert engine_info(model)["compile"] is True
+            assert torch.equal(model.generate(**kw), ref)
+            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=5.0)
+            model.train()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            model.eval()
+            ours = model.generate(**kw)
+        finally:
+            restore(model)
+        stock = model.generate(**kw)
+    assert not torch.equal(stock, ref), "the optimizer step did not change the tokens: the test has no teeth"
+    assert torch.equal(ours, stock)
