@@ -44,7 +44,11 @@ from hf_accel.engine.tensor_parallel import TensorParallel, tensor_parallel_of
 from hf_accel.generation import EngineGenerator, PreparedCall, eos_ids, stock_reason
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.patches import family_patch
-from hf_accel.patches.quantization import decompress_packed_weights, quantization_quirks
+from hf_accel.patches.quantization import (
+    decompress_packed_weights,
+    quantization_quirks,
+    settle_lazy_quantized_state,
+)
 from hf_accel.progress import StartupProgress
 from hf_accel.streams import AsyncWaker, GenerationStream, StockGenerationStream, run_async
 
@@ -236,6 +240,9 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     decompressed = decompress_packed_weights(model)
     if decompressed:
         logger.info("hf_accel: %s", decompressed)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    settle_lazy_quantized_state(model, weight.dtype if isinstance(weight, torch.Tensor) else torch.float32)
     quant_fallback = _apply_quantization_quirks(model, cfg)
     tp = tensor_parallel_of(model)
     spec = _attention_spec(model, tp)

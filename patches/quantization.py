@@ -187,3 +187,56 @@ def _drop_no_op_quantized_forwards(model: torch.nn.Module) -> None:
         if _status(module) not in ("compressed", "decompressed"):
             continue  # before compression the wrapper fake-quantizes the weight: real work
         del module.forward
+
+
+# ------------------------------------------------------------------------------------------------ bitsandbytes state
+def side_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Tensors a quantized linear computes with that are neither its parameters nor its buffers, in a fixed order:
+    bitsandbytes keeps its scales as plain attributes, a 4-bit weight's in `weight.quant_state` (absmax, code,
+    offset, and the nested state of double quantization) and an 8-bit weight's row scales in `weight.SCB`, moved to
+    `module.state.SCB` on the first forward (with the int8 data, `CB`, when that is not the weight's own storage).
+
+    Why: an in-place edit of one of them changes what the model computes without touching a parameter, so the
+    prefix cache's key must read them (`engine.model_state.take_snapshot`), and replacing one must rebuild the
+    compiled code that holds it."""
+    weight = module.__dict__.get("_parameters", {}).get("weight")
+    if weight is None:
+        return []
+    out: list[torch.Tensor] = []
+    state = getattr(weight, "quant_state", None)
+    for _ in range(4):  # QuantState, then its nested `state2`
+        if state is None or type(state).__name__ != "QuantState":
+            break
+        out.extend(t for t in (state.absmax, state.code, state.offset) if isinstance(t, torch.Tensor))
+        state = state.state2
+    lt_state = getattr(module, "state", None)
+    holders = [weight] + ([lt_state] if type(lt_state).__name__ == "MatmulLtState" else [])
+    for holder in holders:
+        for name in ("CB", "SCB"):
+            t = getattr(holder, name, None)
+            if isinstance(t, torch.Tensor) and not (name == "CB" and t.data_ptr() == weight.data_ptr()):
+                out.append(t)
+    return out
+
+
+def settle_lazy_quantized_state(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Run each bitsandbytes linear once on a zero row of the model's activation dtype `dtype`, as stock's first
+    forward would, before hf_accel traces or steps the model; returns how many ran.
+
+    Why: bitsandbytes finishes some weights on their first forward. On the CPU a 4-bit weight is repacked there
+    (`weight.data` replaced), a 4-bit module without a compute dtype takes its input's, and an 8-bit module moves
+    its int8 data and scales to `module.state`. hf_accel's steps run under `torch.inference_mode()`, so a repack
+    inside one made the weights inference tensors (the next call's weight check raised with DoRA adapters), and one
+    inside the compile trace failed it (the compile fell back to eager). Done once here, under no_grad, with the
+    dtype stock's forward passes, it happens as in stock."""
+    ran = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ not in ("Linear4bit", "Linear8bitLt"):
+                continue
+            weight = module.__dict__.get("_parameters", {}).get("weight")
+            if weight is None or weight.device.type == "meta":
+                continue
+            module(torch.zeros(1, module.in_features, dtype=dtype, device=weight.device))
+            ran += 1
+    return ran

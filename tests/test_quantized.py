@@ -392,3 +392,93 @@ def test_qlora_adapters_on_a_quantized_model_trained_in_place_between_generates(
         stock = model.generate(**kw)
     assert not torch.equal(stock, ref), "the optimizer step did not change the tokens: the test has no teeth"
     assert torch.equal(ours, stock)
+
+
+def _long_prompts():
+    """Prompts of several KV blocks: a repeated call finds them in the prefix cache unless the key changed."""
+    ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(5))
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+
+
+@pytest.mark.parametrize("method", [m for m in ("bnb-nf4", "bnb-int8") if m in METHODS])
+def test_in_place_edit_of_bitsandbytes_scales_clears_the_prefix_cache(checkpoint, method):
+    """bitsandbytes keeps a weight's scales outside its parameters (a 4-bit weight's `quant_state.absmax`, an 8-bit
+    module's `state.SCB`): an in-place edit of them changes the model without touching a parameter. The prefix
+    cache once kept serving the old prompts' KV after such an edit."""
+    model = _load(checkpoint, method)
+    model.generation_config.pad_token_id = 0
+    kw = _long_prompts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        accelerate_model(model)
+        try:
+            before = model.generate(**kw)
+            model.generate(**kw)  # the prompts are cached now
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    for lin in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                        if method == "bnb-nf4":
+                            lin.weight.quant_state.absmax.mul_(-3.0)
+                        else:
+                            scb = lin.weight.SCB if getattr(lin.weight, "SCB", None) is not None else lin.state.SCB
+                            scb.mul_(-3.0)
+            ours = model.generate(**kw)
+        finally:
+            restore(model)
+        stock = model.generate(**kw)
+    assert not torch.equal(stock, before), "the edit did not change the tokens: the test has no teeth"
+    assert torch.equal(ours, stock)
+
+
+def test_accelerated_quantized_model_generates_inside_inference_mode(checkpoint):
+    """`with torch.inference_mode(): model.generate(...)` works on a stock torchao model; accelerated, the weight
+    check once failed in it (a torchao weight's detach() cannot run there)."""
+    model = _load(checkpoint, "torchao-int8-weight-only")
+    model.generation_config.pad_token_id = 0
+    kw = _long_prompts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.inference_mode():
+            stock = model.generate(**kw)
+        accelerate_model(model)
+        try:
+            with torch.inference_mode():
+                assert torch.equal(model.generate(**kw), stock)
+                assert torch.equal(model.generate(**kw), stock)
+        finally:
+            restore(model)
+
+
+@pytest.mark.skipif("bnb-nf4" not in METHODS, reason="needs bitsandbytes")
+@pytest.mark.parametrize(("dora", "compile"), [(True, False), (False, True)], ids=["dora-eager", "plain-compiled"])
+def test_nf4_accelerated_before_any_stock_forward(checkpoint, dora, compile):
+    """bitsandbytes finishes 4-bit weights on their first forward (on CPUs with AVX512-BF16 it repacks them).
+    Accelerated straight after loading, that first forward used to happen inside hf_accel's inference-mode step
+    (the weights became inference tensors and, with DoRA adapters, every later call raised) or inside the compile
+    trace (which then fell back to eager). Now it happens at accelerate_model, as in stock. (DoRA itself does not
+    compile on a 4-bit base: Dynamo cannot trace its weight-norm over the quantized weight, a fallback with a
+    warning; that case runs eager here.)"""
+    import copy
+
+    base = _load(checkpoint, "bnb-nf4")
+    base.generation_config.pad_token_id = 0
+    model = base
+    if dora:
+        peft = pytest.importorskip("peft")
+        torch.manual_seed(11)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=64, init_lora_weights=False, use_dora=True,
+                                                          target_modules=["q_proj", "v_proj", "down_proj"]))
+    twin = copy.deepcopy(model)  # stock, never accelerated
+    kw = _long_prompts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        accelerate_model(model, compile=compile)
+        try:
+            info = engine_info(model)
+            assert info["compile"] is compile and not info["fallbacks"]
+            want = twin.generate(**kw)
+            for _ in range(3):
+                assert torch.equal(model.generate(**kw), want)
+            assert engine_info(model)["compile"] is compile and not engine_info(model)["fallbacks"]
+        finally:
+            restore(model)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_accel.engine.tensor_parallel import local_tensor
+from hf_accel.patches.quantization import side_tensors
 
 _ODD = 0x9E3779B97F4A7C15 - (1 << 64)  # odd multiplier (int64) that spreads the position weights
 
@@ -105,14 +106,20 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
                 continue
             seen.add(id(p))
             params.append((id(p), p.data_ptr(), p.shape, p.dtype, p.device, _inner_layout(p)))
-            versions.append(p._version)
+            versions.append(_version(p))
             tensors.append(p)
+        for t in side_tensors(m):  # a quantized linear's scales kept outside its parameters (bitsandbytes)
+            if id(t) not in seen:
+                seen.add(id(t))
+                params.append((id(t), t.data_ptr(), t.shape, t.dtype, t.device))
+                versions.append(_version(t))
+                tensors.append(t)
         # the training flag is left out: a call in training mode with dropout takes the stock path (api)
         scalars = tuple((k, v) for k, v in m.__dict__.items() if type(v) in _SCALAR_TYPES and k[0] != "_"
                         and k != "training")
         buffers = tuple((k, id(b), b.data_ptr(), b.dtype) for k, b in m._buffers.items() if b is not None)
         attributes.append((scalars, buffers))
-        versions.extend(b._version for b in m._buffers.values() if b is not None)
+        versions.extend(_version(b) for b in m._buffers.values() if b is not None)
         tensors.extend(b for b in m._buffers.values() if b is not None)
     first = params[0] if params else (None, None, None, None, None)
     engine = (tuple(implementations.values()), first[3], first[4])
@@ -120,6 +127,12 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
              tuple(torch.nn.modules.module._global_forward_pre_hooks.items()))
     return ModelSnapshot(engine=engine, structure=(tuple(params), tuple(modules), tuple(attributes), hooks),
                          versions=tuple(versions), tensors=tensors)
+
+
+def _version(t: torch.Tensor) -> int:
+    """`t`'s in-place version counter; -1 for an inference tensor, which has none (a weight a library replaced
+    inside someone's `torch.inference_mode()`): its content is still read by `weights_digest`."""
+    return -1 if t.is_inference() else t._version
 
 
 def _inner_layout(p: torch.Tensor) -> tuple:
@@ -253,5 +266,10 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
 def prefix_key(snapshot: ModelSnapshot, check: str) -> tuple:
     """The key cached prefixes are valid under: structure (scalar attributes included), versions, plus the contents
     of parameters and buffers unless `check` is "version". Compared as a tuple (no hashing of the host-side parts)."""
-    digest = weights_digest(snapshot.tensors) if check == "content" else b""
+    if check != "content":
+        return snapshot.structure, snapshot.versions, b""
+    # outside inference mode: a caller may hold it (`with torch.inference_mode(): model.generate(...)`), and a
+    # tensor subclass's detach() under it fails (torchao sets a version counter an inference tensor cannot have)
+    with torch.inference_mode(False):
+        digest = weights_digest(snapshot.tensors)
     return snapshot.structure, snapshot.versions, digest
