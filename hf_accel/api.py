@@ -795,6 +795,8 @@ def _plan_generate(model, stock_args: dict[str, Any], seed: int | None = None) -
                                                  num_rows=_num_rows(input_ids)))
     if reason is None:
         reason = _module_reason(model)
+    if reason is None:
+        reason = _autocast_reason(model)
     if reason is None and _peft_prompt_learning(model):
         reason = ("a PEFT prompt-learning adapter (prompt / prefix / p-tuning: its virtual tokens enter through "
                   "prepare_inputs_for_generation, which the engine does not run)")
@@ -882,6 +884,24 @@ def _module_reason(model) -> str | None:
     if per_row:
         return "per-row PEFT adapters (adapter_names)"
     return None
+
+
+def _autocast_reason(model) -> str | None:
+    """Why the caller's `torch.autocast` sends a generate() call stock. Stock runs the forward on the caller's
+    thread, so autocast recasts its matmuls (a float32 model computes in bf16); autocast is thread-local, and the
+    engine steps on its own thread, with kernels compiled and captured for the model's own dtypes, so it would
+    compute in float32 and part from stock's tokens. (Stock `generate_batch()` runs the model on a thread of its
+    own, without the caller's autocast, as the engine does.) Cast the model instead (`model.to(torch.bfloat16)`)
+    to run it accelerated."""
+    device_type = _model_device(model).type
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+    if not enabled:
+        return None
+    return (f"torch.autocast({device_type!r}) around generate() (the engine runs on its own thread in the model's "
+            f"dtype; cast the model, e.g. model.to(torch.bfloat16), to accelerate it)")
 
 
 def _num_rows(input_ids) -> int:

@@ -884,3 +884,23 @@ def test_a_request_that_makes_nan_kv_does_not_reach_the_next_users_of_its_blocks
             assert torch.equal(accel.generate(**greedy), ref)
     finally:
         restore(accel)
+
+
+def test_generate_under_the_callers_autocast_runs_stock(stock_model, accel_model):
+    """Stock generate() runs the forward on the caller's thread, so `torch.autocast` around it recasts the matmuls
+    (a float32 model computes in bf16). The engine steps on its own thread, where the caller's (thread-local)
+    autocast does not reach: it computed in float32 and returned other logits and, at near-ties, other tokens. Such
+    a call now takes the stock path, with a warning."""
+    ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(5))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+              output_logits=True, return_dict_in_generate=True, pad_token_id=PAD_ID)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = stock_model.generate(**kw)
+    plain = stock_model.generate(**kw)
+    assert not torch.equal(want.logits[0], plain.logits[0])  # autocast changes stock's numbers here
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match="autocast"):
+        got = accel_model.generate(**kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits, strict=True))
+    again = accel_model.generate(**kw)  # without autocast: the engine, equal to stock without it
+    assert torch.equal(again.sequences, plain.sequences)
