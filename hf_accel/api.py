@@ -864,9 +864,12 @@ def _module_reason(model) -> str | None:
     forward pre-hooks on its tuner layers that pass each row's adapter; the engine packs all rows into one
     sequence)."""
     training = dropout = per_row = False
+    hooked = _user_hook_module(_global_hooks())
     for m in _all_modules(model):
         if m._forward_pre_hooks and is_tuner_layer(m):
             per_row = True
+        if hooked is None and (m._forward_hooks or m._forward_pre_hooks):
+            hooked = _user_hook_module(m._forward_hooks.values(), m._forward_pre_hooks.values())
         if not m.training or dropout:
             continue
         training = True
@@ -883,6 +886,33 @@ def _module_reason(model) -> str | None:
         return "generation in training mode with dropout (stock applies it at every step)"
     if per_row:
         return "per-row PEFT adapters (adapter_names)"
+    if hooked is not None:
+        return (f"forward hooks on the model's modules (from {hooked}): a hook would see the engine's packed steps "
+                "(every row of every call in one [1, tokens, hidden] sequence), not stock's per-call shapes, and "
+                "its own state is not part of what the engine or its compiled code can follow")
+    return None
+
+
+# Hooks libraries install that neither read nor change what a forward computes: transformers' output capturing (a
+# no-op unless a call asks for hidden states or attentions, which runs stock anyway) and gradient checkpointing's
+# input-grad hook; PEFT's per-row adapter hooks are judged above; hf_accel's own.
+_BENIGN_HOOK_MODULES = ("transformers.", "peft.", "hf_accel.")
+
+
+def _global_hooks() -> list:
+    from torch.nn.modules import module as nn_module
+
+    return [*nn_module._global_forward_hooks.values(), *nn_module._global_forward_pre_hooks.values()]
+
+
+def _user_hook_module(*hook_lists) -> str | None:
+    """The module a user forward hook or pre-hook comes from (`__main__`, a library), or None if there is none."""
+    for hooks in hook_lists:
+        for hook in hooks:
+            fn = getattr(hook, "__func__", hook)
+            origin = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or "?"
+            if not origin.startswith(_BENIGN_HOOK_MODULES):
+                return origin
     return None
 
 

@@ -729,3 +729,67 @@ def test_dropout_anywhere_in_training_mode_runs_stock(case):
             m.model.layers[0].self_attn.attention_dropout = 0.3
     assert_runs_stock_with_dropout(stock, accel)
     restore(accel)
+
+
+# -- third hostile review: what steering and training code does between calls ----------------------------------------
+@pytest.mark.parametrize("hook_kind", ["stateful", "shape"])
+def test_user_forward_hooks_run_stock(hook_kind):
+    """Activation steering through a forward hook: the hook's own state (a strength set between calls) is not
+    something the prefix cache or compiled code can follow (stale KV was served, compiled code froze the value), and
+    a hook that reads the shapes stock gives it ("steer only generated tokens": `out.shape[1] == 1`) saw the
+    engine's packed step instead. Calls on a model with user hooks run stock, with a warning."""
+    stock = make_llama(0, initializer_range=0.3)
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16, compile=True)
+    vec = torch.randn(stock.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
+
+    class Steer:
+        alpha = 0.0
+
+        def __call__(self, module, args, out):
+            if hook_kind == "shape":
+                return out + vec if out.shape[1] == 1 else out
+            return out + self.alpha * vec
+
+    steer = Steer()
+    try:
+        for m in (stock, accel):
+            m.model.layers[0].register_forward_hook(steer)
+        with pytest.warns(UserWarning, match="forward hooks"):
+            assert torch.equal(run(accel), run(stock))
+        steer.alpha = 3.0
+        assert torch.equal(run(accel), run(stock))
+    finally:
+        restore(accel)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_tensor_attribute_the_forward_reads_is_followed(compiled):
+    """A control vector held as a plain tensor attribute (neither parameter nor buffer), as control-vector libraries
+    set it between calls: replacing it served stale prefixes, and compiled code kept the vector it was traced with.
+    Replacing it now rebuilds; editing it in place drops the cached prefixes."""
+
+    class ControlMLP(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module, width: int) -> None:
+            super().__init__()
+            self.inner, self.control = inner, torch.zeros(width)
+
+        def forward(self, x):
+            return self.inner(x) + self.control
+
+    stock = make_llama(0, initializer_range=0.3)
+    stock.model.layers[0].mlp = ControlMLP(stock.model.layers[0].mlp, stock.config.hidden_size)
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16, compile=compiled)
+    vec = torch.randn(stock.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
+    try:
+        base = run(stock)
+        assert torch.equal(run(accel), base) and torch.equal(run(accel), base)  # the prompts are cached now
+        for m in (stock, accel):
+            m.model.layers[0].mlp.control = vec.clone()
+        replaced = run(stock)
+        assert not torch.equal(replaced, base)
+        assert torch.equal(run(accel), replaced)
+        for m in (stock, accel):
+            m.model.layers[0].mlp.control.mul_(-1.0)
+        assert torch.equal(run(accel), run(stock))
+    finally:
+        restore(accel)

@@ -117,6 +117,15 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
         # the training flag is left out: a call in training mode with dropout takes the stock path (api)
         scalars = tuple((k, v) for k, v in m.__dict__.items() if type(v) in _SCALAR_TYPES and k[0] != "_"
                         and k != "training")
+        # plain tensors held as attributes (neither parameters nor buffers), as control-vector code sets them
+        # (`module.control = vector`): the forward reads them, compiled code holds the object it traced, so
+        # replacing one rebuilds and editing one in place drops the cached prefixes
+        for k, v in m.__dict__.items():
+            if isinstance(v, torch.Tensor) and id(v) not in seen:
+                seen.add(id(v))
+                params.append((name, k, id(v), v.data_ptr(), v.shape, v.dtype, v.device))
+                versions.append(_version(v))
+                tensors.append(v)
         buffers = tuple((k, id(b), b.data_ptr(), b.dtype) for k, b in m._buffers.items() if b is not None)
         attributes.append((scalars, buffers))
         versions.extend(_version(b) for b in m._buffers.values() if b is not None)
