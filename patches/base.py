@@ -75,6 +75,13 @@ class FamilyPatch:
         if chunk and (layer_types is None or "chunked_attention" in layer_types):
             limits.append((int(chunk), f"its chunked attention (attention_chunk_size={int(chunk)}) is not "
                                        "implemented by hf_accel; within one chunk it is plain causal attention"))
+        original = _longrope_original_length(config)
+        if original is not None:
+            limits.append((original, f"its longrope RoPE switches every position to the long factors once any "
+                                     f"position of a forward reaches original_max_position_embeddings={original} "
+                                     "(transformers decides from the whole forward's largest position id), so in "
+                                     "a packed engine step one sequence would change another's; below that length "
+                                     "every forward uses the short factors, in stock generate() as here"))
         step = self.step_token_limit(config)
         if step is not None:
             limits.append(step)
@@ -98,3 +105,21 @@ class FamilyPatch:
         return int(floor_scale) - 1, (f"its no-rope layers scale queries by the token's index once it reaches "
                                       f"floor_scale - 1 ({int(floor_scale) - 1}), which transformers counts within "
                                       "each forward, not from the positions")
+
+
+def _longrope_original_length(config) -> int | None:
+    """`original_max_position_embeddings` of a longrope RoPE (Phi-3 / Phi-3.5 long-context), the smallest over layer
+    types; None for any other RoPE."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    per_layer_type = not ("rope_type" in params or "type" in params)
+    sets = [v for v in params.values() if isinstance(v, dict)] if per_layer_type else [params]
+    found = []
+    for rp in sets:
+        if (rp.get("rope_type") or rp.get("type")) == "longrope":
+            original = rp.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                               None)
+            if original:
+                found.append(int(original))
+    return min(found) if found else None

@@ -793,3 +793,23 @@ def test_a_tensor_attribute_the_forward_reads_is_followed(compiled):
         assert torch.equal(run(accel), run(stock))
     finally:
         restore(accel)
+
+
+def test_longrope_context_is_capped_at_its_original_length():
+    """Longrope (Phi-3 long-context) picks the long or short RoPE factors for a whole forward from its largest
+    position id. A packed engine step mixes sequences, so one request changed another's factors (a short row
+    decoded beside a long one, or a row whose batch-mate ended early). Below `original_max_position_embeddings`
+    every forward uses the short factors, in stock too: hf_accel serves up to that length, exactly, and refuses
+    longer sequences with the reason."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0], "original_max_position_embeddings": 64}
+    stock = make_llama(0, initializer_range=0.3, rope_parameters=rope)
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16)
+    try:
+        ids, mask = left_pad([list(range(5, 45)), list(range(7, 20))])
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        assert torch.equal(accel.generate(**kw), stock.generate(**kw))
+        with pytest.raises(ValueError, match="longrope"):
+            accel.generate(**dict(kw, max_new_tokens=30))  # 40 + 30 > 64
+    finally:
+        restore(accel)
