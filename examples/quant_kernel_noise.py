@@ -3,8 +3,8 @@
 Builds a random llama-3.1-8b-shaped model with a few layers, loads it with each quantization method, and prints,
 for stock `generate()` and for `accelerate_model` with the defaults, the torch backend (eager) and the triton
 backend (eager): the greedy tokens, the first token's logits against stock's, and the relative difference of each
-decoder layer's prefill output from stock's (forward hooks; a compiled forward runs none, so the defaults' rows may
-show no layers). A bf16 model gives the baseline: last-bit differences of the attention kernel. Methods that
+decoder layer's prefill output from stock's (each layer's forward wrapped, in the eager rows only: a compile would
+trace the wrapper). A bf16 model gives the baseline: last-bit differences of the attention kernel. Methods that
 quantize their activations (float8, LLM.int8()) turn those into whole quantization steps, which is why the bench's
 guard measures stock under a change of kernel as well (`hf_accel/bench/guard.py`).
 
@@ -39,23 +39,34 @@ def quantization_config(method: str):
     return transformers.TorchAoConfig(torchao_config(method))
 
 
-def greedy(model, ids: torch.Tensor, new_tokens: int):
-    """Greedy tokens, the first step's logits and each decoder layer's first (prefill) output."""
+def greedy(model, ids: torch.Tensor, new_tokens: int, capture_layers: bool = True):
+    """Greedy tokens, the first step's logits and each decoder layer's first (prefill) output.
+
+    The layer outputs are taken by wrapping each decoder layer's forward (an instance attribute), not by forward
+    hooks: a model with user hooks runs stock generate() under hf_accel, since a hook would see packed steps."""
     layers: dict[int, torch.Tensor] = {}
 
-    def grab(i: int, out) -> None:  # returns None: a hook's return value would replace the layer's output
-        hidden = out[0] if isinstance(out, tuple) else out
-        if i not in layers:
-            layers[i] = hidden.detach().float().reshape(-1, hidden.shape[-1])
+    def wrap(i: int, layer: torch.nn.Module):
+        plain = type(layer).forward
 
-    hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: grab(i, out))
-             for i, layer in enumerate(model.model.layers)]
+        def forward(*args, **kwargs):
+            out = plain(layer, *args, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+            if i not in layers:
+                layers[i] = hidden.detach().float().reshape(-1, hidden.shape[-1])
+            return out
+
+        return forward
+
+    wrapped = list(model.model.layers) if capture_layers else []
+    for i, layer in enumerate(wrapped):
+        layer.forward = wrap(i, layer)
     try:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     finally:
-        for h in hooks:
-            h.remove()
+        for layer in wrapped:
+            del layer.forward
     return out.sequences[0, ids.shape[1]:].tolist(), out.logits[0][0].float(), layers
 
 
@@ -87,7 +98,8 @@ def main() -> None:
             accelerate_model(model, **kw)
             info = engine_info(model)
             try:
-                ours, ours_logits, ours_layers = greedy(model, ids, args.new_tokens)
+                ours, ours_logits, ours_layers = greedy(model, ids, args.new_tokens,
+                                                        capture_layers=bool(kw.get("enforce_eager")))
             finally:
                 restore(model)
             lead = float(logits.max() - logits[int(ours_logits.argmax())])
