@@ -361,6 +361,12 @@ def test_float8_activation_model_compiles_with_eager_rounding_and_gives_stock_to
             restore(model)
 
 
+def _long_prompts():
+    """Prompts of several KV blocks: a repeated call finds them in the prefix cache unless the key changed."""
+    ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(5))
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+
+
 @pytest.mark.parametrize("method", [m for m in ("bnb-nf4", "torchao-int8-weight-only") if m in METHODS])
 def test_qlora_adapters_on_a_quantized_model_trained_in_place_between_generates(checkpoint, method):
     """QLoRA as RL loops run it: LoRA adapters on a quantized base model, accelerated once (compiled), trained with
@@ -371,9 +377,8 @@ def test_qlora_adapters_on_a_quantized_model_trained_in_place_between_generates(
     base.generation_config.pad_token_id = 0
     model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=64, init_lora_weights=False,
                                                       target_modules=["q_proj", "v_proj", "down_proj"]))
-    # prompts of several KV blocks, so the second call finds them in the prefix cache unless the step clears it
-    ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(5))
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    kw = _long_prompts()  # the second call finds them in the prefix cache unless the step clears it
+    ids = kw["input_ids"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = model.generate(**kw)
@@ -392,12 +397,6 @@ def test_qlora_adapters_on_a_quantized_model_trained_in_place_between_generates(
         stock = model.generate(**kw)
     assert not torch.equal(stock, ref), "the optimizer step did not change the tokens: the test has no teeth"
     assert torch.equal(ours, stock)
-
-
-def _long_prompts():
-    """Prompts of several KV blocks: a repeated call finds them in the prefix cache unless the key changed."""
-    ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(5))
-    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
 
 
 @pytest.mark.parametrize("method", [m for m in ("bnb-nf4", "bnb-int8") if m in METHODS])
