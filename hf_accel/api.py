@@ -257,7 +257,8 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
             backend_cls = _static_auto_choice(backend_cls, cfg, spec, device)
     select_s = time.perf_counter() - t_select
     if hasattr(model, _STATE):
-        restore(model)  # before autotuning: the old engine's KV cache would leave it no memory
+        # before autotuning: the old engine's KV cache would leave it no memory
+        _restore(model, keep_methods=True)
     on_gpu_graphs = device.type == "cuda" and (cfg.compile or CUDAGraphMode(cfg.cudagraph_mode).value != "none")
     progress = StartupProgress(total_phases=6, enabled=on_gpu_graphs)  # a bar only where starts take long
     try:
@@ -278,6 +279,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
                 cfg.block_size = int(block) if block else None
     except BaseException:
         progress.close()
+        _drop_methods_if_unaccelerated(model)
         raise
     original = model.config._attn_implementation
     if is_ours(original):  # a deep copy of an accelerated model: its stock implementation is in the name
@@ -310,6 +312,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
             uninstall_fused_ops(fused)
         if packed is not None:
             unpack_sibling_linears(packed)
+        _drop_methods_if_unaccelerated(model)
         raise
     if engine.runner.full_graphs is not None:  # decode and prefill both ran at warm-up: its kernels are built
         _mark_built(backend_cls, spec, device, cfg)
@@ -491,12 +494,20 @@ def restore(model):
     `follow_tensor_parallel` returns). Called from inside a running call (its streamer, logits processor or stopping
     criterion) it raises, since that call could not finish.
     """
+    return _restore(model, keep_methods=False)
+
+
+def _restore(model, keep_methods: bool):
+    """restore(); with `keep_methods`, our generate methods stay on the model: a re-accelerate builds the new engine
+    next, and calls arriving meanwhile must wait for it (`_current_state`) rather than find stock methods, or none
+    (agenerate). Its failure path removes them (`_accelerate_locked`)."""
     wrapper, model = model, base_model_of(model)
     record = _model_lock_record(model)
     with record.rlock:
         state: AccelState | None = model.__dict__.get(_STATE)
         if state is None:
-            _strip_copied_patches(model)
+            if not keep_methods:
+                _strip_copied_patches(model)
             return wrapper
         if state.running_threads.get(threading.get_ident()) or state.loop.on_engine_thread:
             raise RuntimeError("restore() was called from inside a running generate() of this model (a streamer, "
@@ -518,7 +529,7 @@ def restore(model):
         if led:  # the other ranks are told to stop following first
             state.loop.stop_driving()
         state.loop.wait_idle()
-        _restore_locked(model, state)
+        _restore_locked(model, state, keep_methods=keep_methods)
         record.changed.notify_all()
     return wrapper
 
@@ -533,6 +544,12 @@ def _strip_copied_patches(model) -> None:
     uninstall_fused_ops(FusedRecord(modules=list(model.modules())))
 
 
+def _drop_methods_if_unaccelerated(model) -> None:
+    """After a failed (re-)accelerate: the model is restored, so the methods a re-accelerate kept must go too."""
+    if _STATE not in model.__dict__:
+        _unpatch_generate(model)
+
+
 def _unpatch_generate(model) -> None:
     """Drop the instance methods accelerate_model set (ours only: another library's own patch of a never-accelerated
     model stays): the class's own generate()/generate_batch() show again."""
@@ -542,8 +559,9 @@ def _unpatch_generate(model) -> None:
             del model.__dict__[name]
 
 
-def _restore_locked(model, state: AccelState) -> None:
-    _unpatch_generate(model)
+def _restore_locked(model, state: AccelState, keep_methods: bool = False) -> None:
+    if not keep_methods:
+        _unpatch_generate(model)
     model.set_attn_implementation(state.original_attn_implementation)
     if state.fused_ops is not None:
         uninstall_fused_ops(state.fused_ops)
@@ -677,12 +695,13 @@ def _reaccelerate(model, state: AccelState) -> AccelState | None:
     logger.warning("hf_accel: %s changed since accelerate_model() (attention implementation, dtype, device, "
                    "parameters, modules or adapters); accelerating it again for the new model", type(model).__name__)
     chosen = model.config._attn_implementation  # the user's own switch, if any, is kept
-    _restore_locked(model, state)
+    _restore_locked(model, state, keep_methods=True)  # calls arriving meanwhile wait for the new engine
     if not is_ours(chosen) and chosen != model.config._attn_implementation:
         model.set_attn_implementation(chosen)
     try:
         accelerate_model(model, config=state.config)
     except Exception as exc:  # e.g. a dtype no backend runs: stay restored, serve this call stock
+        _drop_methods_if_unaccelerated(model)
         if getattr(state.engine, "tp", None) is not None:  # one rank alone must never run stock: end the job
             raise RuntimeError(f"hf_accel: could not accelerate the changed tensor-parallel model again on this rank "
                                f"({type(exc).__name__}: {exc}); the ranks cannot stay in step") from exc

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,8 +111,25 @@ class GenerationStream:
         req = None if sequence is None else self._call.requests[sequence]
         self._loop.abort(self._call, request=req)
 
-    def __aiter__(self) -> GenerationStream:
-        return self
+    def __aiter__(self) -> AsyncIterator[GenerationDelta]:
+        """The deltas as an async generator. Why not `self`: `async for` never closes a plain async iterator it
+        leaves early (a `break`, a `return`), so the call kept running until the stream itself was garbage
+        collected; asyncio closes a dropped async generator at once, and closing it aborts what is left."""
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[GenerationDelta]:
+        try:
+            while True:
+                try:
+                    delta = await self.__anext__()
+                except StopAsyncIteration:
+                    return
+                yield delta
+        finally:  # no await here: this may run as the generator is finalized
+            if not self._closed:
+                if not self._call.done.is_set():
+                    self._loop.abort(self._call)
+                self._close()
 
     async def __anext__(self) -> GenerationDelta:
         while not self._pending:

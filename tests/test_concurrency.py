@@ -522,3 +522,81 @@ def test_restore_on_the_event_loop_with_open_async_calls_raises_instead_of_hangi
 
     asyncio.run(main())
     assert "_hf_accel_state" not in accel.__dict__
+
+
+def test_break_out_of_a_stream_aborts_it_while_the_stream_is_still_referenced(pair):
+    """`break` leaves `async for` without closing a plain async iterator: the call kept running (and holding KV
+    blocks, and blocking restore()) until the stream object itself was collected. The stream now iterates through
+    an async generator, which asyncio closes as soon as the loop drops it."""
+    _, accel = pair
+    long_kw = dict(input_ids=torch.tensor([PROMPTS[1], PROMPTS[1][::-1]]), max_new_tokens=200, **GREEDY,
+                   eos_token_id=None)
+    loop = accel._hf_accel_state.loop
+    bm = engine_of(accel).block_manager
+
+    async def break_and_keep():
+        stream = accel.agenerate_stream(**long_kw)
+        async for _ in stream:
+            break
+        for _ in range(500):  # the stream stays referenced all along
+            if loop.is_idle():
+                break
+            await asyncio.sleep(0.01)
+        idle = loop.is_idle()
+        reasons = [r.finish_reason for r in stream._call.requests]
+        del stream
+        return idle, reasons
+
+    idle, reasons = asyncio.run(break_and_keep())
+    assert idle and reasons == ["abort", "abort"], reasons  # not "length": aborted, not run to the end
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_interpreter_exit_aborts_running_calls_and_lets_engine_threads_leave(pair):
+    """The engine threads are daemon threads; one still inside a torch op at interpreter exit aborts the process
+    (exit status 134), as after a cancelled agenerate() task whose step was still running. An exit handler now
+    aborts what runs and waits for each engine thread to leave."""
+    from hf_accel.engine.loop import _stop_loops_at_exit
+
+    _, accel = pair
+    loop = accel._hf_accel_state.loop
+    long_kw = dict(input_ids=torch.tensor([PROMPTS[1]]), max_new_tokens=200, **GREEDY, eos_token_id=None)
+
+    async def open_stream_then_exit_handler():
+        stream = accel.agenerate_stream(**long_kw)
+        first = await stream.__anext__()
+        assert first.token_ids
+        await asyncio.to_thread(_stop_loops_at_exit)  # what atexit runs
+        assert loop.is_idle()
+        rest = [d async for d in stream]
+        return rest
+
+    rest = asyncio.run(open_stream_then_exit_handler())
+    assert rest and rest[-1].finish_reason == "abort"
+
+
+def test_re_accelerate_keeps_the_methods_for_calls_arriving_meanwhile(pair):
+    """A re-accelerate with other options used to remove generate/agenerate while the new engine was built: calls
+    arriving meanwhile found stock generate() or no agenerate at all (AttributeError). They now wait for it."""
+    from hf_accel.api import _accelerated_generate
+
+    stock, _ = pair
+    model = accelerate_model(copy.deepcopy(stock))
+    seen, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            d = model.__dict__
+            seen.append("agenerate" in d and getattr(d.get("generate"), "__func__", None) is _accelerated_generate)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for blocks in (64, 96, 128):
+            accelerate_model(model, num_kv_blocks=blocks)
+    finally:
+        stop.set()
+        watcher.join()
+        restore(model)
+    assert seen and all(seen)
+    assert "agenerate" not in model.__dict__ and "generate" not in model.__dict__

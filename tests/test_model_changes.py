@@ -813,3 +813,31 @@ def test_longrope_context_is_capped_at_its_original_length():
             accel.generate(**dict(kw, max_new_tokens=30))  # 40 + 30 > 64
     finally:
         restore(accel)
+
+
+def test_an_accelerated_model_saved_whole_runs_stock_in_a_fresh_process(tmp_path):
+    """torch.save of an accelerated model keeps our attention name in its config; loaded in a new process, its
+    forward and generate() failed ("`hf_accel` is not a valid attention implementation"), since the name was only
+    registered by accelerate_model. hf_accel registers its names on import (unpickling imports it)."""
+    import json
+    import subprocess
+    import sys
+
+    stock = make_llama(0, initializer_range=0.3)
+    accel = accelerate_model(copy.deepcopy(stock), block_size=16)
+    ids, mask = left_pad([PROMPTS[0], PROMPTS[1]])
+    want = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    try:
+        torch.save({"model": accel, "ids": ids, "mask": mask}, tmp_path / "model.pt")
+    finally:
+        restore(accel)
+    script = (
+        "import json, sys, torch\n"
+        f"d = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "m = d['model']\n"
+        "out = m.generate(input_ids=d['ids'], attention_mask=d['mask'], max_new_tokens=6, do_sample=False, "
+        "pad_token_id=0)\n"
+        "print(json.dumps(out.tolist()))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == want.tolist()

@@ -134,3 +134,11 @@ def hf_accel_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     if v_dim < q.shape[-1]:
         out = out[..., :v_dim]
     return out.unsqueeze(0), None
+
+
+# Every name for the known stock implementations is registered on import, not only by accelerate_model: a model
+# saved whole while accelerated (torch.save / pickle) keeps our name in its config, and loaded in a fresh process
+# (which imports hf_accel to unpickle it) its forward and generate() must find that name. Outside an engine step our
+# functions hand over to the original implementation, so such a model runs as stock.
+for _stock in _SUFFIXES:
+    register_implementation(_stock)

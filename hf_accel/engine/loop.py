@@ -27,9 +27,11 @@ and each model's steps run on that model's engine thread).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -122,10 +124,35 @@ class EngineCall:
             raise self.error
 
 
+_LIVE_LOOPS: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_loops_at_exit() -> None:
+    """At interpreter exit, abort every call still running and let each engine thread finish its step and leave.
+
+    Why: the engine threads are daemon threads (a forgotten call must not keep a process alive), and a daemon
+    thread still inside a torch op when the interpreter tears down aborts the process ("terminate called without
+    an active exception", exit status 134): after an asyncio task was cancelled (its abort queued, the step still
+    running), or with a stream left open at exit. Bounded: a step that does not end within a few seconds is left
+    to the old behaviour rather than hanging the exit. Tensor-parallel leaders are left out: their ranks end together
+    through the job (`tp_driver`)."""
+    loops = [loop for loop in list(_LIVE_LOOPS) if loop.driver is None]  # a tensor-parallel leader: left as it is
+    for loop in loops:
+        with loop._lock:
+            calls = list(loop._known.values())
+        for call in calls:
+            if not call.done.is_set():
+                loop.abort(call)
+    for loop in loops:
+        loop.wait_idle(timeout=5.0)
+
+
 class EngineLoop:
     """Runs one engine for many callers (see the module docstring for who runs what)."""
 
     def __init__(self, engine: LLMEngine) -> None:
+        _LIVE_LOOPS.add(self)
         self.engine = engine
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
