@@ -194,12 +194,18 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
     t0 = time.perf_counter()
     wrapper, model = model, base_model_of(model)
     with model_lock(model):
-        _accelerate_locked(model, t0, attention_backend=attention_backend, cudagraph_mode=cudagraph_mode,
-                           cudagraph_capture_sizes=cudagraph_capture_sizes, compile=compile,
-                           enforce_eager=enforce_eager, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                           gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                           config=config)
+        try:
+            _accelerate_locked(model, t0, attention_backend=attention_backend, cudagraph_mode=cudagraph_mode,
+                               cudagraph_capture_sizes=cudagraph_capture_sizes, compile=compile,
+                               enforce_eager=enforce_eager, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               enable_prefix_caching=enable_prefix_caching, config=config)
+        except BaseException:
+            # a re-accelerate keeps our methods while it builds (`_restore`); failed, the model is restored: drop them
+            if _STATE not in model.__dict__:
+                _unpatch_generate(model)
+            raise
     return wrapper
 
 
@@ -240,9 +246,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     decompressed = decompress_packed_weights(model)
     if decompressed:
         logger.info("hf_accel: %s", decompressed)
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    weight = getattr(embeddings, "weight", None)
-    settle_lazy_quantized_state(model, weight.dtype if isinstance(weight, torch.Tensor) else torch.float32)
+    settle_lazy_quantized_state(model)
     quant_fallback = _apply_quantization_quirks(model, cfg)
     tp = tensor_parallel_of(model)
     spec = _attention_spec(model, tp)
@@ -279,7 +283,6 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
                 cfg.block_size = int(block) if block else None
     except BaseException:
         progress.close()
-        _drop_methods_if_unaccelerated(model)
         raise
     original = model.config._attn_implementation
     if is_ours(original):  # a deep copy of an accelerated model: its stock implementation is in the name
@@ -312,7 +315,6 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
             uninstall_fused_ops(fused)
         if packed is not None:
             unpack_sibling_linears(packed)
-        _drop_methods_if_unaccelerated(model)
         raise
     if engine.runner.full_graphs is not None:  # decode and prefill both ran at warm-up: its kernels are built
         _mark_built(backend_cls, spec, device, cfg)
@@ -500,7 +502,7 @@ def restore(model):
 def _restore(model, keep_methods: bool):
     """restore(); with `keep_methods`, our generate methods stay on the model: a re-accelerate builds the new engine
     next, and calls arriving meanwhile must wait for it (`_current_state`) rather than find stock methods, or none
-    (agenerate). Its failure path removes them (`_accelerate_locked`)."""
+    (agenerate). If that fails, accelerate_model removes them."""
     wrapper, model = model, base_model_of(model)
     record = _model_lock_record(model)
     with record.rlock:
@@ -542,12 +544,6 @@ def _strip_copied_patches(model) -> None:
     if is_ours(getattr(model.config, "_attn_implementation", None)):
         model.set_attn_implementation(stock_implementation(model.config._attn_implementation))
     uninstall_fused_ops(FusedRecord(modules=list(model.modules())))
-
-
-def _drop_methods_if_unaccelerated(model) -> None:
-    """After a failed (re-)accelerate: the model is restored, so the methods a re-accelerate kept must go too."""
-    if _STATE not in model.__dict__:
-        _unpatch_generate(model)
 
 
 def _unpatch_generate(model) -> None:
@@ -701,7 +697,6 @@ def _reaccelerate(model, state: AccelState) -> AccelState | None:
     try:
         accelerate_model(model, config=state.config)
     except Exception as exc:  # e.g. a dtype no backend runs: stay restored, serve this call stock
-        _drop_methods_if_unaccelerated(model)
         if getattr(state.engine, "tp", None) is not None:  # one rank alone must never run stock: end the job
             raise RuntimeError(f"hf_accel: could not accelerate the changed tensor-parallel model again on this rank "
                                f"({type(exc).__name__}: {exc}); the ranks cannot stay in step") from exc

@@ -126,10 +126,7 @@ class GenerationStream:
                     return
                 yield delta
         finally:  # no await here: this may run as the generator is finalized
-            if not self._closed:
-                if not self._call.done.is_set():
-                    self._loop.abort(self._call)
-                self._close()
+            self._abandon()
 
     async def __anext__(self) -> GenerationDelta:
         while not self._pending:

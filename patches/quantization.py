@@ -219,9 +219,9 @@ def side_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def settle_lazy_quantized_state(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Run each bitsandbytes linear once on a zero row of the model's activation dtype `dtype`, as stock's first
-    forward would, before hf_accel traces or steps the model; returns how many ran.
+def settle_lazy_quantized_state(model: torch.nn.Module) -> int:
+    """Run each bitsandbytes linear once on a zero row of the model's activation dtype (its input embeddings'), as
+    stock's first forward would, before hf_accel traces or steps the model; returns how many ran.
 
     Why: bitsandbytes finishes some weights on their first forward. On the CPU a 4-bit weight is repacked there
     (`weight.data` replaced), a 4-bit module without a compute dtype takes its input's, and an 8-bit module moves
@@ -229,6 +229,9 @@ def settle_lazy_quantized_state(model: torch.nn.Module, dtype: torch.dtype) -> i
     inside one made the weights inference tensors (the next call's weight check raised with DoRA adapters), and one
     inside the compile trace failed it (the compile fell back to eager). Done once here, under no_grad, with the
     dtype stock's forward passes, it happens as in stock."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
     ran = 0
     with torch.no_grad():
         for module in model.modules():

@@ -139,11 +139,7 @@ def _stop_loops_at_exit() -> None:
     through the job (`tp_driver`)."""
     loops = [loop for loop in list(_LIVE_LOOPS) if loop.driver is None]  # a tensor-parallel leader: left as it is
     for loop in loops:
-        with loop._lock:
-            calls = list(loop._known.values())
-        for call in calls:
-            if not call.done.is_set():
-                loop.abort(call)
+        loop.abort_all()
     for loop in loops:
         loop.wait_idle(timeout=5.0)
 
@@ -217,6 +213,14 @@ class EngineLoop:
             self._aborts.append((call, request, error))
             if self.driver is not None:
                 self._work.set()
+
+    def abort_all(self) -> None:
+        """Cancel every call not yet over, as `abort(call)` does for one."""
+        with self._lock:
+            calls = list(self._known.values())
+        for call in calls:
+            if not call.done.is_set():
+                self.abort(call)
 
     def run_sync(self, call: EngineCall, on_events: Callable[[list[CallEvent]], None] | None = None,
                  before: Callable[[], None] | None = None, *, submitted: bool = False) -> None:

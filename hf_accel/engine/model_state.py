@@ -90,6 +90,13 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
     params, modules, attributes, versions, tensors = [], [], [], [], []  # attributes: part of the structure
     implementations: dict[int, str] = {}
     seen: set[int] = set()
+
+    def track(t: torch.Tensor, identity: tuple) -> None:
+        """A tensor the forward computes with: its identity in the structure, its version and contents in the key."""
+        seen.add(id(t))
+        params.append(identity)
+        versions.append(_version(t))
+        tensors.append(t)
     for name, m in model.named_modules():
         # the forward that runs: the class's (patched classes included) or an instance attribute
         own = m.__dict__.get("forward")
@@ -104,16 +111,10 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
         for p in m._parameters.values():
             if p is None or id(p) in seen:
                 continue
-            seen.add(id(p))
-            params.append((id(p), p.data_ptr(), p.shape, p.dtype, p.device, _inner_layout(p)))
-            versions.append(_version(p))
-            tensors.append(p)
+            track(p, (id(p), p.data_ptr(), p.shape, p.dtype, p.device, _inner_layout(p)))
         for t in side_tensors(m):  # a quantized linear's scales kept outside its parameters (bitsandbytes)
             if id(t) not in seen:
-                seen.add(id(t))
-                params.append((id(t), t.data_ptr(), t.shape, t.dtype, t.device))
-                versions.append(_version(t))
-                tensors.append(t)
+                track(t, (id(t), t.data_ptr(), t.shape, t.dtype, t.device))
         # the training flag is left out: a call in training mode with dropout takes the stock path (api)
         scalars = tuple((k, v) for k, v in m.__dict__.items() if type(v) in _SCALAR_TYPES and k[0] != "_"
                         and k != "training")
@@ -122,16 +123,14 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
         # replacing one rebuilds and editing one in place drops the cached prefixes
         for k, v in m.__dict__.items():
             if isinstance(v, torch.Tensor) and id(v) not in seen:
-                seen.add(id(v))
-                params.append((name, k, id(v), v.data_ptr(), v.shape, v.dtype, v.device))
-                versions.append(_version(v))
-                tensors.append(v)
+                track(v, (name, k, id(v), v.data_ptr(), v.shape, v.dtype, v.device))
         buffers = tuple((k, id(b), b.data_ptr(), b.dtype) for k, b in m._buffers.items() if b is not None)
         attributes.append((scalars, buffers))
         versions.extend(_version(b) for b in m._buffers.values() if b is not None)
         tensors.extend(b for b in m._buffers.values() if b is not None)
-    first = params[0] if params else (None, None, None, None, None)
-    engine = (tuple(implementations.values()), first[3], first[4])
+    # the parameters' dtype and device (not another tracked tensor's: a control vector may be float32 in bf16)
+    first = next(iter(model.parameters()), None)
+    engine = (tuple(implementations.values()), *((first.dtype, first.device) if first is not None else (None, None)))
     hooks = (tuple(torch.nn.modules.module._global_forward_hooks.items()),
              tuple(torch.nn.modules.module._global_forward_pre_hooks.items()))
     return ModelSnapshot(engine=engine, structure=(tuple(params), tuple(modules), tuple(attributes), hooks),
