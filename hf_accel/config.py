@@ -71,6 +71,10 @@ class AccelConfig:
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0
     background_builds: bool = True
+    # store Dynamo's traced forward in the compile cache and read it back at the next start of the same model,
+    # skipping the trace (about 9 s of a warm start for an 8B model; compilation/trace_cache.py); False traces
+    # every time. Needs the compile cache (compile_cache_dir not "")
+    reuse_traced_graph: bool = True
     extra: dict = field(default_factory=dict)
 
     def updated(self, **overrides) -> AccelConfig:

@@ -197,6 +197,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="programmatic dependent launch (default: on where supported); --no-pdl for the A/B")
     a.add_argument("--small-m-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="the tuned small-M GEMM for decode linears (default: on); --no-small-m-gemm for the A/B")
+    a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="read the traced forward back from the compile cache (default: on); "
+                        "--no-reuse-traced-graph traces every start")
 
     o = parser.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH", help="write every raw figure here")

@@ -92,7 +92,8 @@ def accel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[name] = getattr(args, name)
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
-    switches = {name: getattr(args, name) for name in ("pdl", "small_m_gemm") if getattr(args, name) is not None}
+    switches = {name: getattr(args, name) for name in ("pdl", "small_m_gemm", "reuse_traced_graph")
+                if getattr(args, name) is not None}
     if switches:  # AccelConfig fields without a keyword of their own in accelerate_model
         from hf_accel.config import AccelConfig
 
@@ -121,7 +122,7 @@ def _accel_argv(args: argparse.Namespace) -> list[str]:
             argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
-    for name in ("pdl", "small_m_gemm"):
+    for name in ("pdl", "small_m_gemm", "reuse_traced_graph"):
         if getattr(args, name) is not None:
             flag = name.replace("_", "-")
             argv.append(f"--{flag}" if getattr(args, name) else f"--no-{flag}")

@@ -44,6 +44,7 @@ import hf_accel.attention.op  # noqa: F401  (registers torch.ops.hf_accel.attent
 from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, weak_ref_tree
 from hf_accel.compilation.linear_packing import merge_packed_linears
 from hf_accel.compilation.small_m_linear import route_int8_weight_only_linears, route_small_m_linears
+from hf_accel.compilation.trace_cache import TraceCache
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ class CompileStats:
     routed_linears: list[tuple[int, int, bool]] = field(default_factory=list)  # (n, k, bias) via hf_accel::linear
     # (n, k, bias) of each torchao int8 weight-only linear run through hf_accel::int8_weight_linear
     int8_weight_linears: list[tuple[int, int, bool]] = field(default_factory=list)
-    trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend)
+    trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend), or reading the stored trace
+    # where the traced graph came from: "dynamo", "stored" (compilation/trace_cache.py) or "" before compile()
+    trace_source: str = ""
     compile_seconds: float = 0.0  # split + Inductor
     capture_seconds: float = 0.0
     captured_sizes: list[int] = field(default_factory=list)
@@ -265,10 +268,11 @@ class PiecewiseForward:
                  token_dims: Sequence[tuple[int, int]] = ((0, 1), (1, 1)),
                  other_dynamic_dims: Sequence[tuple[int, int]] = ((2, 0),),
                  bypass_dynamo: bool = True, merge_linears: bool = True, route_linears: bool = False,
-                 pdl: bool = False, eager_casts: bool = False) -> None:
+                 pdl: bool = False, eager_casts: bool = False, trace_cache: TraceCache | None = None) -> None:
         """`route_linears`: linears go through `hf_accel::linear` (small-M GEMM where tuned; compile pass
         `small_m_linear`). `pdl`: Inductor's kernels are generated with programmatic dependent launch (sm90+).
-        `eager_casts`: Inductor rounds intermediates as eager does (`inductor_settings`)."""
+        `eager_casts`: Inductor rounds intermediates as eager does (`inductor_settings`). `trace_cache`: where the
+        traced graph is stored and found again (a later start skips Dynamo; compilation/trace_cache.py)."""
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"compiler must be 'inductor' or 'eager', got {compiler!r}")
         self.forward_fn = forward_fn
@@ -285,6 +289,8 @@ class PiecewiseForward:
         self.route_linears = route_linears
         self.pdl = pdl
         self.eager_casts = eager_casts
+        self.trace_cache = trace_cache
+        self._trace_blob: bytes | None = None  # the traced graph as stored, once compile() has proved it works
         self.stats = CompileStats()
         # set by the backend
         self.split_gm: torch.fx.GraphModule | None = None
@@ -321,6 +327,10 @@ class PiecewiseForward:
         if self.compiled:
             return self(*example_inputs)
         self._check_example(example_inputs)
+        if self.trace_cache is not None:
+            out = self._compile_stored(tuple(example_inputs))
+            if out is not None:
+                return out
         for k, d in self.token_dims + self.other_dynamic_dims:
             torch._dynamo.mark_dynamic(example_inputs[k], d)
         self._dynamo_fn = torch.compile(_fresh_entry(self.forward_fn), backend=self._backend, fullgraph=True)
@@ -337,6 +347,57 @@ class PiecewiseForward:
         finally:
             self._tracing_args = None
         self.stats.trace_seconds = max(0.0, total - self.stats.compile_seconds)
+        self.stats.trace_source = "dynamo"
+        if self.trace_cache is not None and self._trace_blob is not None and self.bypasses_dynamo:
+            self.trace_cache.store(self._trace_blob)  # only a graph whose direct calls were proved is stored
+        self._log_compiled(total)
+        return out
+
+    def _compile_stored(self, example_inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """compile() from the stored trace, without Dynamo; None when there is none or it cannot be used."""
+        t0 = time.perf_counter()
+        loaded = self.trace_cache.load(example_inputs)  # type: ignore[union-attr]
+        if loaded is None:
+            return None
+        gm, graph_inputs, fake_mode = loaded
+        self._tracing_args = example_inputs
+        try:
+            with torch.no_grad():
+                with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+                    forward = self._build_traced(gm, graph_inputs)
+                if self._template is None or self._bind_error is not None:
+                    raise RuntimeError(self._bind_error or "no direct-call layout")
+                self._first_call_args = self._bind(example_inputs)
+                graph_out = forward(*self._first_call_args)
+                self._first_call_out = graph_out
+                out = graph_out[0]
+                self._finish_binding(out, example_inputs)
+                if not self.bypasses_dynamo:
+                    raise RuntimeError(self._bind_error or "direct calls unavailable")
+        except Exception as exc:
+            logger.warning("hf_accel: compiling the stored traced forward failed (%s: %s); tracing it again",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            self._reset_compiled()
+            return None
+        finally:
+            self._tracing_args = None
+        total = time.perf_counter() - t0
+        self.stats.trace_seconds = max(0.0, total - self.stats.compile_seconds)
+        self.stats.trace_source = "stored"
+        self._log_compiled(total)
+        return out
+
+    def _reset_compiled(self) -> None:
+        """Forget a half-built compile (a stored trace that failed), so that compile() can trace afresh."""
+        self.split_gm, self.pieces, self.attention_names, self.piece_names = None, [], [], []
+        self._template, self._arg_slots, self._size_slots = None, [], []
+        self._direct, self._bind_error = None, None
+        self._first_call_args = self._first_call_out = None
+        stats = CompileStats()
+        stats.capture_seconds = self.stats.capture_seconds
+        self.stats = stats
+
+    def _log_compiled(self, total: float) -> None:
         logger.info(
             "piecewise compile: %d pieces (%d compiled, %d graphable, %d merged linear groups) + %d attention ops "
             "in %.2f s "
@@ -345,7 +406,6 @@ class PiecewiseForward:
             self.stats.trace_seconds, self.compiler,
             self.stats.compile_seconds,
             "calls bypass Dynamo" if self.bypasses_dynamo else f"calls go through Dynamo ({self._bind_error})")
-        return out
 
     def _check_example(self, example_inputs: Sequence[torch.Tensor]) -> None:
         tok = {example_inputs[k].shape[d] for k, d in self.token_dims}
@@ -364,6 +424,24 @@ class PiecewiseForward:
         self.num_backend_calls += 1
         if self.split_gm is not None:
             logger.warning("hf_accel piecewise backend called again (Dynamo recompiled the forward)")
+        if self._tracing_args is not None and self.trace_cache is not None:
+            # compile what a later start will read back, not Dynamo's own metadata: cold and warm starts then give
+            # Inductor identical graphs (same symbols), so the warm one hits Inductor's cache
+            blob = self.trace_cache.encode(gm, example_inputs, self._tracing_args)
+            if blob is not None:
+                try:
+                    gm, example_inputs, fake_mode = self.trace_cache.decode(blob, self._tracing_args)
+                except Exception as exc:
+                    logger.info("hf_accel: the traced forward does not read back (%s: %s); not stored",
+                                type(exc).__name__, exc)
+                else:
+                    self._trace_blob = blob
+                    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+                        return self._build_traced(gm, example_inputs)
+        return self._build_traced(gm, example_inputs)
+
+    def _build_traced(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        """Graph passes, split, compile, and the direct-call layout; returns the callable standing for `gm`."""
         t0 = time.perf_counter()
         if self.merge_linears:
             self.stats.num_merged_linears = merge_packed_linears(gm, example_inputs)

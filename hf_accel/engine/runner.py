@@ -283,14 +283,16 @@ class ModelRunner:
 
     def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
                            model_config, dtype: torch.dtype, *, pdl: bool = False,
-                           small_m_gemm: bool = False, progress=None, tp=None) -> dict:
+                           small_m_gemm: bool = False, progress=None, tp=None,
+                           reuse_traced_graph: bool = False) -> dict:
         """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings.
 
         `pdl`: Inductor's kernels use programmatic dependent launch. `small_m_gemm`: linears go through
         `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket.
         `progress`: a `hf_accel.progress.StartupProgress` told when each phase starts. `tp`: the tensor-parallel
         group (engine/tensor_parallel.py); a compile failure on one of its ranks ends the job instead of falling
-        back on that rank alone.
+        back on that rank alone. `reuse_traced_graph`: Dynamo's trace is stored in the compile cache and a later
+        start of the same model reads it back instead of tracing (compilation/trace_cache.py).
         """
         def phase(name: str, detail: str = "") -> None:
             if progress is not None:
@@ -323,10 +325,15 @@ class ModelRunner:
                 cache_dir, model_config, dtype, sizes, extra={"device": str(self.device), "backend": self.backend.name})
             info["compile_cache"] = {"dir": str(cache.path) if cache.path else None, "warm": cache.warm}
             info["eager_precision_casts"] = eager_casts = quantizes_activations(self.model)
+            trace_cache = None
+            if reuse_traced_graph and cache.path is not None and tp is None:  # a rank's graph may hold its rank
+                from hf_accel.compilation.trace_cache import TraceCache
+
+                trace_cache = TraceCache(cache.path / "traced", self.model)
             self.piecewise = compile_piecewise(self.forward_2d, capture_sizes=self.dispatcher.piecewise_sizes,
                                                use_cudagraph=on_cuda and bool(self.dispatcher.piecewise_sizes),
                                                graph_pool=pool, route_linears=small_m_gemm and on_cuda, pdl=pdl,
-                                               eager_casts=eager_casts)
+                                               eager_casts=eager_casts, trace_cache=trace_cache)
             meta = self.upload(self.dummy_inputs([15, 1]))
             self.backend.prepare(meta)
             try:
@@ -355,6 +362,7 @@ class ModelRunner:
             info["compile_s"] = time.perf_counter() - t0
             if self.piecewise is not None:  # where the compile time goes: Dynamo tracing vs split + Inductor
                 info["trace_s"] = self.piecewise.stats.trace_seconds
+                info["trace_source"] = self.piecewise.stats.trace_source
                 info["split_compile_s"] = self.piecewise.stats.compile_seconds
             if self.piecewise is not None and self.piecewise.route_linears:
                 self._tune_linears(info, phase, dtype, pdl, cache.path)

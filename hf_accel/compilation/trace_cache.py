@@ -1,0 +1,318 @@
+"""Dynamo's traced forward, kept on disk so that a later start of the same model skips tracing.
+
+Tracing a 32-layer model with Dynamo takes about 9 s and is most of a warm start: Inductor's caches already make
+the compilation itself cheap, but Dynamo symbolically executes every layer again in every new process. What Dynamo
+produces is a plain FX graph whose inputs are the forward's arguments, the sizes read off them, and the model's
+weights. This module writes that graph (without its metadata) beside Inductor's artifacts, with a table saying
+where each input comes from: a forward argument, a size of one, or a model tensor by name.
+
+Loading rebuilds the graph's fake-tensor metadata with fresh symbols for the dynamic sizes (a fake-tensor run of
+the graph), binds the named tensors of the live model, and hands the graph to the same split-and-compile path
+Dynamo would have called. A cold start compiles that very rebuilt graph too (trace, write, read back), so cold and
+warm starts give Inductor identical graphs and the warm one hits Inductor's cache.
+
+When is a stored graph used? The compile cache directory is already keyed by the model's config, dtype, library
+versions and our own sources (compilation/cache.py). The file name adds a fingerprint of everything else the
+trace read from the model: its module tree (classes and the source files defining them), every module's
+non-tensor attributes (PEFT's scalings, a norm's eps, `training`, ...), and every tensor's name, type, shape,
+strides, storage layout, dtype and device. Graphs with anything else as an input (quantized tensor subclasses, a
+tensor the model does not hold) are not stored and trace as before; so is anything that fails to write or read.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import inspect
+import logging
+import os
+import pickle
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+# -------------------------------------------------------------------------------------------------- fingerprint
+def _describe_tensor(t: torch.Tensor) -> str:
+    return (f"{type(t).__qualname__}{tuple(t.shape)}{t.stride()}@{t.storage_offset()}:{t.dtype}:{t.device.type}"
+            f":{t.requires_grad}")
+
+
+def _describe(value: Any, depth: int = 0) -> str:
+    """A process-independent description of a module attribute: values of plain data, types of everything else."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return _describe_tensor(value)
+    if isinstance(value, (list, tuple, set, frozenset, dict)) and depth < 4:
+        items = sorted(value.items(), key=lambda kv: repr(kv[0])) if isinstance(value, dict) else (
+            sorted(value, key=repr) if isinstance(value, (set, frozenset)) else list(value))
+        if len(items) > 256:
+            return f"{type(value).__qualname__}[{len(items)}]"
+        if isinstance(value, dict):
+            inner = ",".join(f"{_describe(k, depth + 1)}:{_describe(v, depth + 1)}" for k, v in items)
+        else:
+            inner = ",".join(_describe(v, depth + 1) for v in items)
+        return f"{type(value).__qualname__}({inner})"
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}={value.value!r}"
+    kind = type(value)
+    return f"<{kind.__module__}.{kind.__qualname__}>"
+
+
+_SOURCE_HASHES: dict[str, str] = {}
+
+
+def _class_source_hash(cls: type) -> str:
+    """Hash of the file defining `cls` (a model's own code may change between runs with the same versions)."""
+    module = sys.modules.get(cls.__module__)
+    try:
+        path = inspect.getsourcefile(module) if module is not None else None
+    except TypeError:
+        path = None
+    if not path:
+        return "?"
+    if path not in _SOURCE_HASHES:
+        try:
+            _SOURCE_HASHES[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+        except OSError:
+            _SOURCE_HASHES[path] = "?"
+    return _SOURCE_HASHES[path]
+
+
+def model_fingerprint(root: torch.nn.Module) -> str:
+    """Everything of `root` that a trace of its forward may have read, apart from its config and the versions."""
+    h = hashlib.sha256()
+    storages: dict[int, int] = {}
+
+    def put(text: str) -> None:
+        h.update(text.encode())
+        h.update(b"\0")
+
+    put(f"default dtype {torch.get_default_dtype()}")
+    for name, module in root.named_modules(remove_duplicate=False):
+        cls = type(module)
+        put(f"module {name} {cls.__module__}.{cls.__qualname__} {_class_source_hash(cls)}")
+        for key in sorted(module.__dict__):
+            if key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+                continue
+            value = module.__dict__[key]
+            if key in _HOOK_DICTS:
+                value = [type(v).__qualname__ + getattr(v, "__qualname__", "") for v in value.values()]
+            put(f"attr {key}={_describe(value)}")
+        for kind, tensors in (("param", module._parameters), ("buffer", module._buffers)):
+            for key, t in tensors.items():
+                if t is None:
+                    put(f"{kind} {key}=None")
+                    continue
+                # which tensors share a storage (packed q/k/v, tied embeddings): the n-th storage seen
+                ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+                index = storages.setdefault(ptr, len(storages))
+                put(f"{kind} {key}={_describe_tensor(t)} storage#{index}")
+    return h.hexdigest()[:24]
+
+
+def model_tensor_names(root: torch.nn.Module) -> dict[int, str]:
+    """id -> a name of every tensor the model holds: parameters, buffers and plain tensor attributes."""
+    names: dict[int, str] = {}
+    for mod_name, module in root.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for store in (module._parameters, module._buffers, module.__dict__):
+            for key, t in store.items():
+                if isinstance(t, torch.Tensor):
+                    names.setdefault(id(t), prefix + key)
+    return names
+
+
+def _lookup(root: torch.nn.Module, name: str) -> Any:
+    owner, _, attr = name.rpartition(".")
+    module = root.get_submodule(owner) if owner else root
+    for store in (module._parameters, module._buffers, module.__dict__):
+        if attr in store:
+            return store[attr]
+    raise KeyError(name)
+
+
+# -------------------------------------------------------------------------------------------------- the cache
+class TraceCache:
+    """Writes and reads the traced forward of `root` under `directory` (one file per model fingerprint)."""
+
+    def __init__(self, directory: str | os.PathLike, root: torch.nn.Module) -> None:
+        self.directory = Path(directory)
+        self.root = root
+        self.fingerprint = model_fingerprint(root)
+        self.path = self.directory / f"dynamo-graph-{self.fingerprint}.pkl"
+        self.hit = False  # the last compile came from a stored graph
+
+    # ---------------------------------------------------------------------------------------- write
+    def encode(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+               tracing_args: Sequence[torch.Tensor]) -> bytes | None:
+        """The graph Dynamo gave the backend and where its inputs come from; None when it cannot be stored."""
+        try:
+            return self._encode(gm, example_inputs, tracing_args)
+        except Exception as exc:  # an unpicklable target, say: trace every time, as before
+            logger.info("hf_accel: the traced forward cannot be stored (%s: %s); later starts trace it again",
+                        type(exc).__name__, exc)
+            return None
+
+    def _encode(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                tracing_args: Sequence[torch.Tensor]) -> bytes | None:
+        from torch.fx._graph_pickler import GraphPickler, Options
+
+        names = model_tensor_names(self.root)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(example_inputs):
+            raise ValueError("placeholders and example inputs differ in number")
+        if any(n.op == "get_attr" for n in gm.graph.nodes):
+            raise ValueError("the graph holds constants of its own")
+        slots: list[tuple] = []
+        symbols: set[str] = set()
+        for node, ex in zip(placeholders, example_inputs, strict=True):
+            if isinstance(ex, torch.SymInt):
+                slots.append(("size", str(node.meta["example_value"].node.expr)))
+                continue
+            if not isinstance(ex, torch.Tensor):
+                raise ValueError(f"graph input {node.name} is a {type(ex).__name__}")
+            if type(ex) not in _PLAIN_TENSOR_TYPES:
+                raise ValueError(f"graph input {node.name} is a {type(ex).__qualname__}, not a plain tensor")
+            k = next((k for k, a in enumerate(tracing_args) if a is ex), None)
+            if k is not None:
+                fake = node.meta["example_value"]
+                shape = [_dim(s) for s in fake.shape]
+                stride = [_dim(s) for s in fake.stride()]
+                symbols |= {s for s in shape if isinstance(s, str)}
+                if any(isinstance(s, str) and s not in symbols for s in stride) or fake.storage_offset() != 0:
+                    raise ValueError(f"argument {k} has a layout other than its sizes'")
+                slots.append(("arg", k, shape, stride, str(ex.dtype)))
+                continue
+            name = names.get(id(ex))
+            if name is None:
+                raise ValueError(f"graph input {node.name} is a tensor the model does not hold")
+            slots.append(("tensor", name))
+        if any(s[0] == "size" and s[1] not in symbols for s in slots):
+            raise ValueError("a size input is not a size of the forward's arguments")
+        bare = torch.fx.GraphModule(torch.nn.Module(), gm.graph)
+        graph = GraphPickler.dumps(bare, Options(ops_filter=None, node_metadata_key_filter=lambda key: False))
+        return pickle.dumps({"format": FORMAT, "fingerprint": self.fingerprint, "torch": torch.__version__,
+                             "graph": graph, "slots": slots})
+
+    def store(self, blob: bytes) -> None:
+        """Write atomically (a concurrent start reads a whole file or none)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(blob)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            logger.info("hf_accel: could not write the traced forward to %s (%s)", self.path, exc)
+
+    # ---------------------------------------------------------------------------------------- read
+    def load(self, tracing_args: Sequence[torch.Tensor]) -> tuple[torch.fx.GraphModule, list[Any], Any] | None:
+        """The stored graph, ready for the backend, or None (nothing stored, or it no longer fits)."""
+        self.hit = False
+        if not self.path.is_file():
+            return None
+        try:
+            out = self.decode(self.path.read_bytes(), tracing_args)
+        except Exception as exc:
+            logger.warning("hf_accel: the stored traced forward %s could not be used (%s: %s); tracing again",
+                           self.path, type(exc).__name__, exc)
+            return None
+        self.hit = True
+        return out
+
+    def decode(self, blob: bytes, tracing_args: Sequence[torch.Tensor]
+               ) -> tuple[torch.fx.GraphModule, list[Any], Any]:
+        """Rebuild the graph with fresh fake-tensor metadata; returns (graph, example inputs, fake mode).
+
+        The example inputs are what Dynamo would pass the backend: the live tensors, and symbolic sizes."""
+        from torch._dynamo.source import ConstantSource
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx._graph_pickler import GraphPickler
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        t0 = time.perf_counter()
+        data = pickle.loads(blob)
+        if data.get("format") != FORMAT or data.get("fingerprint") != self.fingerprint:
+            raise ValueError("stored for another model or format")
+        if data.get("torch") != torch.__version__:
+            raise ValueError(f"stored by torch {data.get('torch')}")
+        shape_env = ShapeEnv()
+        fake_mode = FakeTensorMode(shape_env=shape_env)
+        gm = GraphPickler.loads(data["graph"], fake_mode)
+        slots = data["slots"]
+
+        # one symbol per dynamic size, in the order the arguments name them (deterministic: same graph, same names)
+        sym_values: dict[str, torch.SymInt] = {}
+        for slot in slots:
+            if slot[0] != "arg":
+                continue
+            _, k, shape, _, _ = slot
+            for d, s in enumerate(shape):
+                if isinstance(s, str) and s not in sym_values:
+                    hint = int(tracing_args[k].shape[d])
+                    source = ConstantSource(f"hf_accel_size_{len(sym_values)}")
+                    sym = shape_env.create_symbol(hint, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+                    sym_values[s] = shape_env.create_symintnode(sym, hint=hint, source=source)
+
+        def dim(v: int | str) -> Any:
+            return sym_values[v] if isinstance(v, str) else v
+
+        fakes: list[Any] = []
+        example_inputs: list[Any] = []
+        for slot in slots:
+            if slot[0] == "size":
+                fakes.append(sym_values[slot[1]])
+                example_inputs.append(sym_values[slot[1]])
+            elif slot[0] == "arg":
+                _, k, shape, stride, dtype = slot
+                arg = tracing_args[k]
+                if str(arg.dtype) != dtype or arg.dim() != len(shape) or any(
+                        not isinstance(s, str) and s != n for s, n in zip(shape, arg.shape, strict=True)):
+                    raise ValueError(f"argument {k} does not match the stored graph")
+                with fake_mode:
+                    fakes.append(torch.empty_strided([dim(s) for s in shape], [dim(s) for s in stride],
+                                                     dtype=arg.dtype, device=arg.device))
+                example_inputs.append(arg)
+            else:
+                t = _lookup(self.root, slot[1])
+                if not isinstance(t, torch.Tensor) or type(t) not in _PLAIN_TENSOR_TYPES:
+                    raise ValueError(f"model tensor {slot[1]} is missing or not a plain tensor")
+                fakes.append(fake_mode.from_tensor(t, static_shapes=True))
+                example_inputs.append(t)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(fakes):
+            raise ValueError("the stored graph's inputs do not match its table")
+        with fake_mode:
+            FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*fakes)
+        for node in gm.graph.nodes:
+            if "val" in node.meta:
+                node.meta["example_value"] = node.meta["val"]
+        for node, fake in zip(placeholders, fakes, strict=True):
+            node.meta["example_value"] = fake
+        logger.debug("hf_accel: traced forward rebuilt from %s in %.2f s", self.path, time.perf_counter() - t0)
+        return gm, example_inputs, fake_mode
+
+
+def _dim(value: Any) -> int | str:
+    """A size or stride as stored: an int, or its symbol's name."""
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        if not getattr(expr, "is_symbol", False):
+            raise ValueError(f"a size or stride is the expression {expr}, not one symbol")
+        return str(expr)
+    return int(value)

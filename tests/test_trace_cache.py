@@ -1,0 +1,179 @@
+"""The stored Dynamo trace (compilation/trace_cache.py): a later start of the same model skips tracing, and never
+reuses a graph traced from something else.
+
+The end-to-end tests compile with Inductor on the CPU (about 15 s cold for the 2-layer model, a few seconds warm).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import fresh_copy, make_llama
+
+import hf_accel.compilation.cache as cache_mod
+from hf_accel import accelerate_model, engine_info, restore
+from hf_accel.compilation.trace_cache import model_fingerprint, model_tensor_names
+from hf_accel.config import AccelConfig
+
+PROMPTS = torch.tensor([[5, 17, 23, 9, 41, 7, 3, 88, 14, 60, 21, 33]])
+
+
+def _greedy(model, n: int = 6) -> torch.Tensor:
+    prompts = PROMPTS.to(model.device)
+    return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n, do_sample=False).cpu()
+
+
+def _accelerated_run(model, cache_dir, **config) -> tuple[torch.Tensor, str]:
+    """Accelerate (compiled) with the compile cache in `cache_dir`; the greedy tokens and where the trace came from."""
+    accelerate_model(model, compile=True, num_kv_blocks=64,
+                     config=AccelConfig(compile_cache_dir=str(cache_dir), **config))
+    try:
+        out = _greedy(model)
+        source = engine_info(model)["startup"].get("trace_source")
+    finally:
+        restore(model)
+    return out, source
+
+
+def _stored_files(cache_dir) -> list:
+    return sorted(cache_dir.rglob("dynamo-graph-*.pkl"))
+
+
+@pytest.fixture
+def fixed_sources(monkeypatch):
+    # the compile cache directory is keyed by our sources' hash; others may edit hf_accel while the suite runs
+    monkeypatch.setattr(cache_mod, "source_hash", lambda: "fixed")
+
+
+# ------------------------------------------------------------------------------------------------ fingerprint
+def test_fingerprint_equal_for_equal_models_in_another_process():
+    """Same structure, other weights, another process: one fingerprint (else a warm start would never hit)."""
+    here = model_fingerprint(make_llama(seed=0))
+    assert model_fingerprint(make_llama(seed=3)) == here
+    code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "tests")
+        from conftest import make_llama
+        from hf_accel.compilation.trace_cache import model_fingerprint
+        print(model_fingerprint(make_llama(seed=1)))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == here
+
+
+def _set_eps(m):
+    m.model.norm.variance_epsilon = 1e-3
+
+
+def _set_training(m):
+    m.model.layers[1].mlp.train()
+
+
+def _add_tensor_attribute(m):
+    m.model.layers[0].mlp.control = torch.zeros(64)
+
+
+def _tie(m):
+    m.lm_head.weight = m.model.embed_tokens.weight
+
+
+def _half_a_weight(m):
+    m.model.layers[0].mlp.down_proj.weight.data = m.model.layers[0].mlp.down_proj.weight.data.to(torch.bfloat16)
+
+
+def _dict_scalar(m):
+    m.model.layers[0].self_attn.extra_scales = {"default": 2.0}
+
+
+def _swap_class(m):
+    mlp = m.model.layers[0].mlp
+    mlp.__class__ = type("ScaledMLP", (type(mlp),), {"forward": lambda self, x: 2 * type(mlp).forward(self, x)})
+
+
+def _frozen(m):
+    m.model.embed_tokens.weight.requires_grad_(False)
+
+
+@pytest.mark.parametrize("change", [_set_eps, _set_training, _add_tensor_attribute, _tie, _half_a_weight,
+                                    _dict_scalar, _swap_class, _frozen])
+def test_fingerprint_sees_what_a_trace_reads(change):
+    base = make_llama()
+    changed = make_llama()
+    change(changed)
+    assert model_fingerprint(changed) != model_fingerprint(base)
+
+
+def test_fingerprint_sees_a_tensor_attributes_shape():
+    a, b = make_llama(), make_llama()
+    a.model.layers[0].mlp.control = torch.zeros(64)
+    b.model.layers[0].mlp.control = torch.zeros(1, 64)
+    assert model_fingerprint(a) != model_fingerprint(b)
+    assert model_tensor_names(a)[id(a.model.layers[0].mlp.control)] == "model.layers.0.mlp.control"
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_warm_start_reads_the_stored_trace_and_binds_the_live_weights(tmp_path, fixed_sources, device):
+    """Cold start traces and stores; a second start of an equal model (other weights) reads the graph back, binds
+    its own weights and matches stock (float32; on CUDA with piecewise and full graphs, small-M GEMMs and PDL).
+    Without the option nothing is read."""
+    first = make_llama(seed=0).to(device)
+    want_first = _greedy(fresh_copy(first))
+    got, source = _accelerated_run(first, tmp_path)
+    assert source == "dynamo" and torch.equal(got, want_first)
+    assert len(_stored_files(tmp_path)) == 1
+
+    other = make_llama(seed=5).to(device)  # same structure, other weights: the stored graph must read these
+    want_other = _greedy(fresh_copy(other))
+    assert not torch.equal(want_other, want_first)
+    got, source = _accelerated_run(other, tmp_path)
+    assert source == "stored" and torch.equal(got, want_other)
+
+    got, source = _accelerated_run(make_llama(seed=5).to(device), tmp_path, reuse_traced_graph=False)
+    assert source == "dynamo" and torch.equal(got, want_other)
+
+
+def test_changed_model_is_traced_again_not_served_the_stored_graph(tmp_path, fixed_sources):
+    """The same config, but a norm's eps edited in place (not in the config): the stored graph baked the old eps,
+    so it must not be used; the new trace is stored beside it."""
+    _accelerated_run(make_llama(seed=0), tmp_path)
+    changed = make_llama(seed=0)
+    changed.model.layers[0].post_attention_layernorm.variance_epsilon = 10.0  # large enough to change the tokens
+    want = _greedy(fresh_copy(changed))
+    assert not torch.equal(want, _greedy(make_llama(seed=0)))
+    got, source = _accelerated_run(changed, tmp_path)
+    assert source == "dynamo" and torch.equal(got, want)
+    assert len(_stored_files(tmp_path)) == 2
+
+
+def test_unreadable_stored_trace_warns_and_traces_again(tmp_path, fixed_sources, caplog):
+    model = make_llama(seed=0)
+    want = _greedy(fresh_copy(model))
+    _accelerated_run(fresh_copy(model), tmp_path)
+    (path,) = _stored_files(tmp_path)
+    path.write_bytes(b"not a pickle")
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        got, source = _accelerated_run(fresh_copy(model), tmp_path)
+    assert source == "dynamo" and torch.equal(got, want)
+    assert any("could not be used" in r.getMessage() for r in caplog.records)
+    got, source = _accelerated_run(fresh_copy(model), tmp_path)  # rewritten by the trace above
+    assert source == "stored" and torch.equal(got, want)
+
+
+def test_no_trace_is_stored_without_a_compile_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ACCEL_CACHE_DIR", str(tmp_path))
+    model = make_llama(seed=0)
+    want = _greedy(fresh_copy(model))
+    accelerate_model(model, compile=True, num_kv_blocks=64, config=AccelConfig(compile_cache_dir=""))
+    try:
+        assert torch.equal(_greedy(model), want)
+        assert engine_info(model)["startup"]["trace_source"] == "dynamo"
+    finally:
+        restore(model)
+    assert not _stored_files(tmp_path)
