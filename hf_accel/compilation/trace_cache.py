@@ -119,10 +119,19 @@ def model_fingerprint(root: torch.nn.Module) -> str:
                     put(f"{kind} {key}=None")
                     continue
                 # which tensors share a storage (packed q/k/v, tied embeddings): the n-th storage seen
-                ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
-                index = storages.setdefault(ptr, len(storages))
+                index = storages.setdefault(_storage_key(t), len(storages))
                 put(f"{kind} {key}={_describe_tensor(t)} storage#{index}")
     return h.hexdigest()[:24]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """What identifies `t`'s storage within this process (a wrapper subclass has none: itself, then)."""
+    if type(t) in _PLAIN_TENSOR_TYPES and t.device.type != "meta":
+        try:
+            return "storage", t.untyped_storage().data_ptr()
+        except RuntimeError:
+            pass
+    return "object", id(t)
 
 
 def model_tensor_names(root: torch.nn.Module) -> dict[int, str]:
@@ -239,6 +248,7 @@ class TraceCache:
         """Rebuild the graph with fresh fake-tensor metadata; returns (graph, example inputs, fake mode).
 
         The example inputs are what Dynamo would pass the backend: the live tensors, and symbolic sizes."""
+        from torch._dispatch.python import enable_python_dispatcher
         from torch._dynamo.source import ConstantSource
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx._graph_pickler import GraphPickler
@@ -297,7 +307,9 @@ class TraceCache:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(fakes):
             raise ValueError("the stored graph's inputs do not match its table")
-        with fake_mode:
+        # the Python dispatcher, as Dynamo runs its fake values: composite ops (matmul, linear) then decompose on
+        # symbolic sizes; without it torch 2.11 reads their sizes as ints and pins every dynamic size
+        with fake_mode, enable_python_dispatcher():
             FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*fakes)
         for node in gm.graph.nodes:
             if "val" in node.meta:
