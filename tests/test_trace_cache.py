@@ -177,3 +177,75 @@ def test_no_trace_is_stored_without_a_compile_cache(tmp_path, monkeypatch):
     finally:
         restore(model)
     assert not _stored_files(tmp_path)
+
+
+def _patch_instance_forward(m):
+    mlp = m.model.layers[0].mlp
+    mlp.forward = lambda x: 2 * type(mlp).forward(mlp, x)
+
+
+def _patch_class_method(m, monkeypatch):
+    cls = type(m.model.layers[0].mlp)
+    monkeypatch.setattr(cls, "forward", lambda self, x: 2 * self.down_proj(self.act_fn(self.up_proj(x))))
+
+
+def _patch_module_function(m, monkeypatch):
+    import transformers.models.llama.modeling_llama as modeling
+
+    monkeypatch.setattr(modeling, "rotate_half", lambda x: -x)
+
+
+def _set_object_attribute(m):
+    m.model.rotary_emb.config.rope_theta_hint = object()  # plain objects: their attributes
+    m.model.layers[0].self_attn.helper = type("Helper", (), {})()
+    m.model.layers[0].self_attn.helper.scale = 3.0
+
+
+@pytest.mark.parametrize("change", [_patch_instance_forward, _patch_class_method, _patch_module_function,
+                                    _set_object_attribute])
+def test_fingerprint_sees_patched_code_and_object_attributes(change, monkeypatch):
+    """Monkeypatches a user (or a kernel library) applies between runs change what a trace records."""
+    base = model_fingerprint(make_llama())
+    changed = make_llama()
+    if "monkeypatch" in change.__code__.co_varnames:
+        change(changed, monkeypatch)
+    else:
+        change(changed)
+    assert model_fingerprint(changed) != base
+
+
+def test_fingerprint_ignores_hook_handle_ids():
+    """Hook dictionaries are keyed by handle ids, which count up per process: they must not change it."""
+    a, b = make_llama(), make_llama()
+    torch.nn.Module().register_forward_hook(lambda *args: None)  # move the global handle counter on
+    for m in (a, b):
+        m.model.embed_tokens.register_forward_hook(_noop_hook)
+    assert model_fingerprint(a) == model_fingerprint(b)
+
+
+def _noop_hook(module, args, output):
+    return None
+
+
+def test_fingerprint_ignores_kernel_machinery_that_fills_in_as_a_process_runs():
+    """Our fused forwards close over the kernels module and Triton functions, whose caches fill as kernels compile
+    (a cold start compiles some before the fingerprint, a warm one does not): such objects count by type only."""
+    import types as pytypes
+
+    import hf_accel.ops.fused as fused
+
+    def install(m, kernels):
+        def forward(self, x):
+            return kernels.run(self, x)
+        mlp = m.model.layers[0].mlp
+        mlp.forward = pytypes.MethodType(forward, mlp)
+
+    a, b = make_llama(), make_llama()
+    install(a, fused)
+    install(b, fused)
+    before = model_fingerprint(a)
+    fused._trace_cache_test_marker = object()  # the module's contents change
+    try:
+        assert model_fingerprint(b) == before
+    finally:
+        del fused._trace_cache_test_marker

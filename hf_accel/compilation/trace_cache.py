@@ -22,6 +22,7 @@ tensor the model does not hold) are not stored and trace as before; so is anythi
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import inspect
 import logging
@@ -29,6 +30,7 @@ import os
 import pickle
 import sys
 import time
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,10 +41,10 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
+# objects of these packages are described by their type only: their attributes are machinery (kernel caches,
+# compiled-code wrappers, locks) that fills in as a process runs, not what a trace reads
+_OPAQUE_PACKAGES = frozenset({"torch", "triton", "hf_accel", "builtins", "threading", "importlib", "_frozen_importlib",
+                              "_frozen_importlib_external", "weakref", "_weakref", "logging"})
 
 
 # -------------------------------------------------------------------------------------------------- fingerprint
@@ -52,25 +54,113 @@ def _describe_tensor(t: torch.Tensor) -> str:
 
 
 def _describe(value: Any, depth: int = 0) -> str:
-    """A process-independent description of a module attribute: values of plain data, types of everything else."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+    """A process-independent description of a module attribute: values of plain data, the code of functions, the
+    attributes of plain objects (a few levels deep), types of everything else."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
         return repr(value)
     if isinstance(value, torch.Tensor):
         return _describe_tensor(value)
-    if isinstance(value, (list, tuple, set, frozenset, dict)) and depth < 4:
-        items = sorted(value.items(), key=lambda kv: repr(kv[0])) if isinstance(value, dict) else (
-            sorted(value, key=repr) if isinstance(value, (set, frozenset)) else list(value))
-        if len(items) > 256:
-            return f"{type(value).__qualname__}[{len(items)}]"
-        if isinstance(value, dict):
-            inner = ",".join(f"{_describe(k, depth + 1)}:{_describe(v, depth + 1)}" for k, v in items)
-        else:
-            inner = ",".join(_describe(v, depth + 1) for v in items)
-        return f"{type(value).__qualname__}({inner})"
     if isinstance(value, enum.Enum):
         return f"{type(value).__qualname__}.{value.name}={value.value!r}"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        if depth >= 4 or len(value) > 256:
+            return f"{type(value).__qualname__}[{len(value)}]"
+        if isinstance(value, dict):
+            items = sorted((_describe(k, depth + 1), _describe(v, depth + 1)) for k, v in value.items())
+            return f"{type(value).__qualname__}({','.join(f'{k}:{v}' for k, v in items)})"
+        inner = [_describe(v, depth + 1) for v in value]
+        if isinstance(value, (set, frozenset)):
+            inner.sort()
+        return f"{type(value).__qualname__}({','.join(inner)})"
+    if isinstance(value, (types.FunctionType, types.MethodType, functools.partial, staticmethod, classmethod,
+                          property, types.BuiltinFunctionType)):
+        return _describe_callable(value, depth)
     kind = type(value)
-    return f"<{kind.__module__}.{kind.__qualname__}>"
+    name = f"<{kind.__module__}.{kind.__qualname__}>"
+    if isinstance(value, type):
+        return f"<{value.__module__}.{value.__qualname__}>"
+    if isinstance(value, types.ModuleType):
+        return f"<module {value.__name__}>"
+    if depth >= 3 or isinstance(value, torch.nn.Module) or kind.__module__.split(".")[0] in _OPAQUE_PACKAGES:
+        return name
+    attrs = getattr(value, "__dict__", None)
+    if isinstance(attrs, dict) and attrs:  # a plain object (a config, a rope helper): what the trace may read
+        # (not hashes of themselves, which differ between processes)
+        return name + _describe({k: v for k, v in attrs.items() if not k.startswith("_hf_accel") and "hash" not in k},
+                                depth + 1)
+    return name
+
+
+def _describe_callable(fn: Any, depth: int) -> str:
+    """A function by its code (a monkeypatched forward or helper has other code under the same name)."""
+    if isinstance(fn, types.MethodType):
+        return "bound " + _describe_callable(fn.__func__, depth)
+    if isinstance(fn, (staticmethod, classmethod)):
+        return f"{type(fn).__name__} " + _describe_callable(fn.__func__, depth)
+    if isinstance(fn, property):
+        return "property(" + ",".join(_describe_callable(f, depth) for f in (fn.fget, fn.fset) if f is not None) + ")"
+    if isinstance(fn, functools.partial):
+        return (f"partial({_describe_callable(fn.func, depth)},{_describe(fn.args, depth + 1)},"
+                f"{_describe(fn.keywords, depth + 1)})")
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return name
+    cells = fn.__closure__ or ()
+    closure = ",".join(_describe(_cell_contents(c), depth + 1) for c in cells) if depth < 3 else f"{len(cells)}"
+    return f"{name}#{_code_digest(code)}({closure})"
+
+
+def _cell_contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _code_digest(code: types.CodeType) -> str:
+    h = hashlib.sha256()
+
+    def walk(c: types.CodeType) -> None:
+        h.update(c.co_code)
+        h.update(repr((c.co_names, c.co_varnames, c.co_freevars)).encode())
+        for const in c.co_consts:
+            if isinstance(const, types.CodeType):
+                walk(const)
+            elif isinstance(const, frozenset):
+                h.update(repr(sorted(map(repr, const))).encode())
+            else:
+                h.update(repr(const).encode())
+
+    walk(code)
+    return h.hexdigest()[:16]
+
+
+def _class_description(cls: type) -> str:
+    """The methods of `cls` and of its bases up to nn.Module: a method patched on the class changes it."""
+    parts = []
+    for klass in cls.__mro__:
+        if klass in (torch.nn.Module, object):
+            break
+        for key, value in sorted(vars(klass).items()):
+            if isinstance(value, (types.FunctionType, staticmethod, classmethod, property)):
+                parts.append(f"{klass.__qualname__}.{key}={_describe_callable(value, 2)}")
+    return ";".join(parts)
+
+
+def _module_globals_description(module_name: str) -> str:
+    """The functions and classes a modeling file's code reaches by global name (a patched helper such as
+    `apply_rotary_pos_emb` changes what a trace records)."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return "?"
+    parts = []
+    for key, value in sorted(vars(module).items()):
+        if isinstance(value, (types.FunctionType, functools.partial)):
+            parts.append(f"{key}={_describe_callable(value, 2)}")
+        elif isinstance(value, type):
+            parts.append(f"{key}=<{value.__module__}.{value.__qualname__}>")
+    return ";".join(parts)
 
 
 _SOURCE_HASHES: dict[str, str] = {}
@@ -103,15 +193,19 @@ def model_fingerprint(root: torch.nn.Module) -> str:
         h.update(b"\0")
 
     put(f"default dtype {torch.get_default_dtype()}")
+    classes: dict[type, None] = {}
     for name, module in root.named_modules(remove_duplicate=False):
         cls = type(module)
+        classes.setdefault(cls)
         put(f"module {name} {cls.__module__}.{cls.__qualname__} {_class_source_hash(cls)}")
         for key in sorted(module.__dict__):
             if key in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
                 continue
             value = module.__dict__[key]
-            if key in _HOOK_DICTS:
-                value = [type(v).__qualname__ + getattr(v, "__qualname__", "") for v in value.values()]
+            if key.startswith("_hf_accel") or key == "generation_config":  # not read by the forward
+                continue
+            if "hook" in key and isinstance(value, dict):  # keyed by handle ids, which differ between processes
+                value = list(value.values())
             put(f"attr {key}={_describe(value)}")
         for kind, tensors in (("param", module._parameters), ("buffer", module._buffers)):
             for key, t in tensors.items():
@@ -121,6 +215,14 @@ def model_fingerprint(root: torch.nn.Module) -> str:
                 # which tensors share a storage (packed q/k/v, tied embeddings): the n-th storage seen
                 index = storages.setdefault(_storage_key(t), len(storages))
                 put(f"{kind} {key}={_describe_tensor(t)} storage#{index}")
+    modules: dict[str, None] = {}
+    for cls in classes:
+        put(f"class {cls.__module__}.{cls.__qualname__}: {_class_description(cls)}")
+        for klass in cls.__mro__:
+            if klass.__module__.split(".")[0] not in ("torch", "builtins"):
+                modules.setdefault(klass.__module__)
+    for module_name in modules:
+        put(f"globals of {module_name}: {_module_globals_description(module_name)}")
     return h.hexdigest()[:24]
 
 
