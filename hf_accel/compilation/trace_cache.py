@@ -24,8 +24,10 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import importlib.metadata
 import inspect
 import logging
+import numbers
 import os
 import pickle
 import sys
@@ -48,67 +50,156 @@ _OPAQUE_PACKAGES = frozenset({"torch", "triton", "hf_accel", "builtins", "thread
 
 
 # -------------------------------------------------------------------------------------------------- fingerprint
+# Code a stored trace may stand for: the libraries whose versions key the compile cache (or the fingerprint), the
+# model's own modeling file (hashed), their dependencies and the standard library. A function defined anywhere
+# else (the user's script, a kernel library patching transformers) can read any global, default or closure of its
+# own; Dynamo would guard on those, this check cannot see them all, so such a model is traced every time.
+_TRUSTED_PACKAGES = frozenset({
+    "transformers", "transformers_modules", "torch", "hf_accel", "peft", "accelerate", "torchao", "bitsandbytes",
+    "compressed_tensors", "triton", "safetensors", "huggingface_hub", "tokenizers",
+    "typing_extensions", "numpy", "tqdm", "packaging", "filelock", "regex", "yaml", "jinja2",
+    *sys.stdlib_module_names})
+_MAX_DEPTH = 6
+_MAX_ITEMS = 4096
+
+
+class _Describer:
+    """Process-independent descriptions of what a trace may have read; also collects the reasons (untrusted code,
+    values too large or deep to describe) why a model's trace must not be stored."""
+
+    def __init__(self) -> None:
+        self.untrusted: list[str] = []
+        self._active: set[int] = set()
+
+    def _distrust(self, what: str) -> str:
+        if len(self.untrusted) < 8:
+            self.untrusted.append(what)
+        return f"<untrusted {what}>"
+
+    def value(self, value: Any, depth: int = 0) -> str:
+        """Values of plain data, the code of functions, the attributes of plain objects, types of machinery."""
+        if value is None or isinstance(value, (bool, str, bytes, torch.dtype, torch.device)):
+            return repr(value)
+        if isinstance(value, enum.Enum):
+            return f"{type(value).__qualname__}.{value.name}={value.value!r}"
+        if isinstance(value, numbers.Number):  # int, float, numpy scalars, ...
+            return f"{type(value).__qualname__}({value!r})"
+        if isinstance(value, torch.Tensor):
+            return _describe_tensor(value)
+        if depth >= _MAX_DEPTH:
+            return self._distrust(f"a value nested deeper than {_MAX_DEPTH} levels ({type(value).__qualname__})")
+        if isinstance(value, (list, tuple, set, frozenset, dict)):
+            if len(value) > _MAX_ITEMS:
+                return self._distrust(f"a {type(value).__qualname__} of {len(value)} items")
+            if isinstance(value, dict):
+                items = sorted((self.value(k, depth + 1), self.value(v, depth + 1)) for k, v in value.items())
+                return f"{type(value).__qualname__}({','.join(f'{k}:{v}' for k, v in items)})"
+            inner = [self.value(v, depth + 1) for v in value]
+            if isinstance(value, (set, frozenset)):
+                inner.sort()
+            return f"{type(value).__qualname__}({','.join(inner)})"
+        if callable(value) and not isinstance(value, (type, torch.nn.Module)) or isinstance(
+                value, (staticmethod, classmethod, property, functools.partialmethod)):
+            return self.callable(value, depth)
+        kind = type(value)
+        name = f"<{kind.__module__}.{kind.__qualname__}>"
+        if isinstance(value, type):
+            return f"<{value.__module__}.{value.__qualname__}>"
+        if isinstance(value, types.ModuleType):
+            return f"<module {value.__name__}>"
+        if isinstance(value, torch.nn.Module) or kind.__module__.split(".")[0] in _OPAQUE_PACKAGES:
+            return name
+        # a plain object (a config, a helper the forward reads): its attributes, slots included, but not hashes of
+        # itself, which differ between processes
+        attrs = dict(getattr(value, "__dict__", None) or {})
+        for klass in kind.__mro__:
+            for slot in getattr(klass, "__slots__", ()):
+                if isinstance(slot, str) and slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                    attrs[slot] = getattr(value, slot)
+        attrs = {k: v for k, v in attrs.items() if not k.startswith("_hf_accel") and "hash" not in k}
+        return name + self.value(attrs, depth + 1) if attrs else name
+
+    def callable(self, fn: Any, depth: int) -> str:
+        """A function by its code, defaults and closure; one defined outside the trusted packages distrusts."""
+        if isinstance(fn, types.MethodType):
+            return "bound " + self.callable(fn.__func__, depth)
+        if isinstance(fn, (staticmethod, classmethod)):
+            return f"{type(fn).__name__} " + self.callable(fn.__func__, depth)
+        if isinstance(fn, property):
+            return "property(" + ",".join(self.callable(f, depth) for f in (fn.fget, fn.fset) if f is not None) + ")"
+        if isinstance(fn, (functools.partial, functools.partialmethod)):
+            return (f"{type(fn).__name__}({self.callable(fn.func, depth)},{self.value(fn.args, depth + 1)},"
+                    f"{self.value(fn.keywords, depth + 1)})")
+        module = getattr(fn, "__module__", None)
+        name = f"{module}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+        code = getattr(fn, "__code__", None)
+        if code is None:  # a builtin (C code), or an object with __call__: its class decides
+            if not isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType)) and not _trusted_module(
+                    type(fn).__module__):
+                return self._distrust(f"callable {type(fn).__module__}.{type(fn).__qualname__}")
+            return name
+        if not _trusted_module(module):
+            return self._distrust(f"function {name}")
+        if id(fn) in self._active:  # a function reaching itself through its closure
+            return f"{name}#cycle"
+        self._active.add(id(fn))
+        try:
+            # closures and defaults of library code (decorator wrappers) nest functions in functions: only the data
+            # they hold counts towards the depth
+            cells = fn.__closure__ or ()
+            closure = ",".join(self.value(_cell_contents(c), depth) for c in cells)
+            defaults = ",".join(self.value(d, depth) for d in (*(fn.__defaults__ or ()),
+                                                             *(fn.__kwdefaults__ or {}).values()))
+        finally:
+            self._active.discard(id(fn))
+        return f"{name}#{_code_digest(code)}[{defaults}]({closure})"
+
+    def class_(self, cls: type) -> str:
+        """Every attribute of `cls` and its bases up to nn.Module: a method or constant patched on the class
+        changes it."""
+        parts = []
+        for klass in cls.__mro__:
+            if klass in (torch.nn.Module, object):
+                break
+            for key, value in sorted(vars(klass).items()):
+                if key in ("__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__annotations__",
+                           "__orig_bases__", "__parameters__", "_abc_impl", "__abstractmethods__"):
+                    continue
+                parts.append(f"{klass.__qualname__}.{key}={self.value(value, 2)}")
+        return ";".join(parts)
+
+    def module_globals(self, module_name: str) -> str:
+        """Plain data, functions and classes of a modeling file (a patched helper such as `apply_rotary_pos_emb`
+        changes what a trace records)."""
+        module = sys.modules.get(module_name)
+        if module is None:
+            return "?"
+        parts = []
+        for key, value in sorted(vars(module).items()):
+            if key.startswith("__"):
+                continue
+            if isinstance(value, type):
+                parts.append(f"{key}=<{value.__module__}.{value.__qualname__}>")
+            elif isinstance(value, (types.FunctionType, functools.partial, bool, int, float, str, type(None))):
+                parts.append(f"{key}={self.value(value, 2)}")
+        return ";".join(parts)
+
+    def torch_namespaces(self) -> None:
+        """Python functions patched into torch's own namespaces (`torch.nn.functional.silu = ...`)."""
+        for namespace in (torch, torch.nn.functional, torch.Tensor):
+            for key, value in list(vars(namespace).items()):
+                if isinstance(value, types.FunctionType) and not _trusted_module(value.__module__):
+                    self._distrust(f"{getattr(namespace, '__name__', namespace)}.{key} = "
+                                   f"{value.__module__}.{value.__qualname__}")
+
+
+def _trusted_module(module: str | None) -> bool:
+    return bool(module) and module.split(".")[0] in _TRUSTED_PACKAGES  # type: ignore[union-attr]
+
+
 def _describe_tensor(t: torch.Tensor) -> str:
     return (f"{type(t).__qualname__}{tuple(t.shape)}{t.stride()}@{t.storage_offset()}:{t.dtype}:{t.device.type}"
             f":{t.requires_grad}")
-
-
-def _describe(value: Any, depth: int = 0) -> str:
-    """A process-independent description of a module attribute: values of plain data, the code of functions, the
-    attributes of plain objects (a few levels deep), types of everything else."""
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
-        return repr(value)
-    if isinstance(value, torch.Tensor):
-        return _describe_tensor(value)
-    if isinstance(value, enum.Enum):
-        return f"{type(value).__qualname__}.{value.name}={value.value!r}"
-    if isinstance(value, (list, tuple, set, frozenset, dict)):
-        if depth >= 4 or len(value) > 256:
-            return f"{type(value).__qualname__}[{len(value)}]"
-        if isinstance(value, dict):
-            items = sorted((_describe(k, depth + 1), _describe(v, depth + 1)) for k, v in value.items())
-            return f"{type(value).__qualname__}({','.join(f'{k}:{v}' for k, v in items)})"
-        inner = [_describe(v, depth + 1) for v in value]
-        if isinstance(value, (set, frozenset)):
-            inner.sort()
-        return f"{type(value).__qualname__}({','.join(inner)})"
-    if isinstance(value, (types.FunctionType, types.MethodType, functools.partial, staticmethod, classmethod,
-                          property, types.BuiltinFunctionType)):
-        return _describe_callable(value, depth)
-    kind = type(value)
-    name = f"<{kind.__module__}.{kind.__qualname__}>"
-    if isinstance(value, type):
-        return f"<{value.__module__}.{value.__qualname__}>"
-    if isinstance(value, types.ModuleType):
-        return f"<module {value.__name__}>"
-    if depth >= 3 or isinstance(value, torch.nn.Module) or kind.__module__.split(".")[0] in _OPAQUE_PACKAGES:
-        return name
-    attrs = getattr(value, "__dict__", None)
-    if isinstance(attrs, dict) and attrs:  # a plain object (a config, a rope helper): what the trace may read
-        # (not hashes of themselves, which differ between processes)
-        return name + _describe({k: v for k, v in attrs.items() if not k.startswith("_hf_accel") and "hash" not in k},
-                                depth + 1)
-    return name
-
-
-def _describe_callable(fn: Any, depth: int) -> str:
-    """A function by its code (a monkeypatched forward or helper has other code under the same name)."""
-    if isinstance(fn, types.MethodType):
-        return "bound " + _describe_callable(fn.__func__, depth)
-    if isinstance(fn, (staticmethod, classmethod)):
-        return f"{type(fn).__name__} " + _describe_callable(fn.__func__, depth)
-    if isinstance(fn, property):
-        return "property(" + ",".join(_describe_callable(f, depth) for f in (fn.fget, fn.fset) if f is not None) + ")"
-    if isinstance(fn, functools.partial):
-        return (f"partial({_describe_callable(fn.func, depth)},{_describe(fn.args, depth + 1)},"
-                f"{_describe(fn.keywords, depth + 1)})")
-    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return name
-    cells = fn.__closure__ or ()
-    closure = ",".join(_describe(_cell_contents(c), depth + 1) for c in cells) if depth < 3 else f"{len(cells)}"
-    return f"{name}#{_code_digest(code)}({closure})"
 
 
 def _cell_contents(cell: Any) -> Any:
@@ -136,33 +227,6 @@ def _code_digest(code: types.CodeType) -> str:
     return h.hexdigest()[:16]
 
 
-def _class_description(cls: type) -> str:
-    """The methods of `cls` and of its bases up to nn.Module: a method patched on the class changes it."""
-    parts = []
-    for klass in cls.__mro__:
-        if klass in (torch.nn.Module, object):
-            break
-        for key, value in sorted(vars(klass).items()):
-            if isinstance(value, (types.FunctionType, staticmethod, classmethod, property)):
-                parts.append(f"{klass.__qualname__}.{key}={_describe_callable(value, 2)}")
-    return ";".join(parts)
-
-
-def _module_globals_description(module_name: str) -> str:
-    """The functions and classes a modeling file's code reaches by global name (a patched helper such as
-    `apply_rotary_pos_emb` changes what a trace records)."""
-    module = sys.modules.get(module_name)
-    if module is None:
-        return "?"
-    parts = []
-    for key, value in sorted(vars(module).items()):
-        if isinstance(value, (types.FunctionType, functools.partial)):
-            parts.append(f"{key}={_describe_callable(value, 2)}")
-        elif isinstance(value, type):
-            parts.append(f"{key}=<{value.__module__}.{value.__qualname__}>")
-    return ";".join(parts)
-
-
 _SOURCE_HASHES: dict[str, str] = {}
 
 
@@ -183,16 +247,31 @@ def _class_source_hash(cls: type) -> str:
     return _SOURCE_HASHES[path]
 
 
-def model_fingerprint(root: torch.nn.Module) -> str:
-    """Everything of `root` that a trace of its forward may have read, apart from its config and the versions."""
+def _package_versions() -> str:
+    """Versions of the trusted packages the compile cache's key does not name."""
+    out = []
+    for name in ("peft", "accelerate", "torchao", "bitsandbytes", "compressed_tensors"):
+        if name in sys.modules:
+            try:
+                out.append(f"{name}={importlib.metadata.version(name.replace('_', '-'))}")
+            except importlib.metadata.PackageNotFoundError:
+                out.append(f"{name}=?")
+    return ",".join(out)
+
+
+def model_fingerprint(root: torch.nn.Module) -> tuple[str, list[str]]:
+    """Everything of `root` that a trace of its forward may have read, apart from its config and the versions; and
+    why its trace must not be stored at all (code from outside the trusted packages, values too large to describe).
+    """
     h = hashlib.sha256()
-    storages: dict[int, int] = {}
+    storages: dict[tuple[str, int], int] = {}
+    describer = _Describer()
 
     def put(text: str) -> None:
         h.update(text.encode())
         h.update(b"\0")
 
-    put(f"default dtype {torch.get_default_dtype()}")
+    put(f"default dtype {torch.get_default_dtype()}; {_package_versions()}")
     classes: dict[type, None] = {}
     for name, module in root.named_modules(remove_duplicate=False):
         cls = type(module)
@@ -206,7 +285,7 @@ def model_fingerprint(root: torch.nn.Module) -> str:
                 continue
             if "hook" in key and isinstance(value, dict):  # keyed by handle ids, which differ between processes
                 value = list(value.values())
-            put(f"attr {key}={_describe(value)}")
+            put(f"attr {key}={describer.value(value)}")
         for kind, tensors in (("param", module._parameters), ("buffer", module._buffers)):
             for key, t in tensors.items():
                 if t is None:
@@ -217,13 +296,13 @@ def model_fingerprint(root: torch.nn.Module) -> str:
                 put(f"{kind} {key}={_describe_tensor(t)} storage#{index}")
     modules: dict[str, None] = {}
     for cls in classes:
-        put(f"class {cls.__module__}.{cls.__qualname__}: {_class_description(cls)}")
-        for klass in cls.__mro__:
-            if klass.__module__.split(".")[0] not in ("torch", "builtins"):
-                modules.setdefault(klass.__module__)
+        put(f"class {cls.__module__}.{cls.__qualname__}: {describer.class_(cls)}")
+        if cls.__module__.split(".")[0] not in ("torch", "builtins"):  # the modeling files (not the mixins' modules,
+            modules.setdefault(cls.__module__)  # whose globals hold per-process values such as a session id)
     for module_name in modules:
-        put(f"globals of {module_name}: {_module_globals_description(module_name)}")
-    return h.hexdigest()[:24]
+        put(f"globals of {module_name}: {describer.module_globals(module_name)}")
+    describer.torch_namespaces()
+    return h.hexdigest()[:24], describer.untrusted
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -264,14 +343,21 @@ class TraceCache:
     def __init__(self, directory: str | os.PathLike, root: torch.nn.Module) -> None:
         self.directory = Path(directory)
         self.root = root
-        self.fingerprint = model_fingerprint(root)
+        self.fingerprint, untrusted = model_fingerprint(root)
         self.path = self.directory / f"dynamo-graph-{self.fingerprint}.pkl"
         self.hit = False  # the last compile came from a stored graph
+        # why this model's trace is neither stored nor read (None: it is); see _TRUSTED_PACKAGES
+        self.refused: str | None = "; ".join(untrusted) if untrusted else None
+        if self.refused:
+            logger.info("hf_accel: the traced forward is not stored or reused for this model, whose forward may read "
+                        "what the stored graph's check cannot see: %s", self.refused)
 
     # ---------------------------------------------------------------------------------------- write
     def encode(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                tracing_args: Sequence[torch.Tensor]) -> bytes | None:
         """The graph Dynamo gave the backend and where its inputs come from; None when it cannot be stored."""
+        if self.refused:
+            return None
         try:
             return self._encode(gm, example_inputs, tracing_args)
         except Exception as exc:  # an unpicklable target, say: trace every time, as before
@@ -334,7 +420,7 @@ class TraceCache:
     def load(self, tracing_args: Sequence[torch.Tensor]) -> tuple[torch.fx.GraphModule, list[Any], Any] | None:
         """The stored graph, ready for the backend, or None (nothing stored, or it no longer fits)."""
         self.hit = False
-        if not self.path.is_file():
+        if self.refused or not self.path.is_file():
             return None
         try:
             out = self.decode(self.path.read_bytes(), tracing_args)
