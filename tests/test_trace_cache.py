@@ -243,7 +243,7 @@ def test_fingerprint_sees_object_attributes_and_class_constants(change, monkeypa
     assert fingerprint_and_refusals(changed)[0] != base
 
 
-def test_fingerprint_sees_slots_numpy_scalars_and_deep_values():
+def test_fingerprint_sees_numpy_scalars_and_refuses_user_objects_and_deep_values():
     import dataclasses
 
     import numpy as np
@@ -257,8 +257,9 @@ def test_fingerprint_sees_slots_numpy_scalars_and_deep_values():
         m.model.layers[0].mlp.knob = value
         return fingerprint_and_refusals(m)
 
-    assert with_attr(Knob(1.0))[0] != with_attr(Knob(-1.0))[0]
+    assert with_attr(Knob(1.0))[1]  # a class of the user's: its properties could read anything
     assert with_attr(np.float32(1.0))[0] != with_attr(np.float32(-1.0))[0]
+    assert not with_attr(np.float32(1.0))[1]
     deep = 1.0
     for _ in range(10):
         deep = [deep]
@@ -291,3 +292,50 @@ def test_fingerprint_ignores_kernel_machinery_that_fills_in_as_a_process_runs():
     before = model_fingerprint(a)
     kernels.rms_norm_cache = {"compiled": object()}  # the module's contents change as kernels compile
     assert model_fingerprint(b) == before
+
+
+def test_unregistered_module_attribute_and_patched_torch_builtin_are_seen():
+    """A torch module kept as a plain attribute (called instead of the registered one) has settings the
+    description cannot reach: refused. A torch builtin rebound to another (`torch.rsqrt = torch.sqrt`) changes the
+    fingerprint. (Both found by the second hostile review.)"""
+    m = make_llama()
+    object.__setattr__(m.model.layers[0].mlp, "act_fn", torch.nn.Hardtanh(-0.5, 0.5))
+    assert fingerprint_and_refusals(m)[1]
+    base = model_fingerprint(make_llama())
+    rsqrt = torch.rsqrt
+    torch.rsqrt = torch.sqrt
+    try:
+        assert fingerprint_and_refusals(make_llama())[0] != base
+    finally:
+        torch.rsqrt = rsqrt
+
+
+def test_remote_code_helpers_beside_the_modeling_file_are_hashed(tmp_path, monkeypatch):
+    """Remote code (`transformers_modules.*`) may keep helpers in other files of its folder: all are hashed."""
+    import importlib
+
+    package = tmp_path / "transformers_modules" / "tiny"
+    package.mkdir(parents=True)
+    (tmp_path / "transformers_modules" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "helper.py").write_text("def post(x):\n    return x * 1.0\n")
+    (package / "modeling_tiny.py").write_text(
+        "from transformers.models.llama.modeling_llama import LlamaMLP\n"
+        "from . import helper\n\n\n"
+        "class TinyMLP(LlamaMLP):\n"
+        "    def forward(self, x):\n"
+        "        return helper.post(super().forward(x))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modeling = importlib.import_module("transformers_modules.tiny.modeling_tiny")
+
+    def fingerprint() -> str:
+        m = make_llama()
+        m.model.layers[0].mlp.__class__ = modeling.TinyMLP
+        return model_fingerprint(m)
+
+    import hf_accel.compilation.trace_cache as trace_cache
+
+    before = fingerprint()
+    (package / "helper.py").write_text("def post(x):\n    return x * 25.0\n")
+    monkeypatch.setattr(trace_cache, "_SOURCE_HASHES", {})  # a new process: nothing remembered
+    assert fingerprint() != before

@@ -59,6 +59,9 @@ _TRUSTED_PACKAGES = frozenset({
     "compressed_tensors", "triton", "safetensors", "huggingface_hub", "tokenizers",
     "typing_extensions", "numpy", "tqdm", "packaging", "filelock", "regex", "yaml", "jinja2",
     *sys.stdlib_module_names})
+# the packages whose version (compile cache key, or _package_versions) stands for their code
+_VERSIONED_PACKAGES = frozenset({"transformers", "torch", "hf_accel", "peft", "accelerate", "torchao", "bitsandbytes",
+                                 "compressed_tensors", "triton"})
 _MAX_DEPTH = 6
 _MAX_ITEMS = 4096
 
@@ -107,7 +110,13 @@ class _Describer:
             return f"<{value.__module__}.{value.__qualname__}>"
         if isinstance(value, types.ModuleType):
             return f"<module {value.__name__}>"
-        if isinstance(value, torch.nn.Module) or kind.__module__.split(".")[0] in _OPAQUE_PACKAGES:
+        if isinstance(value, torch.nn.Module):  # registered submodules are walked; one kept as a plain attribute
+            # (and so called instead of the registered one) has settings this description would not reach
+            return self._distrust(f"an unregistered {type(value).__qualname__} module attribute")
+        untrusted_class = next((k for k in kind.__mro__ if not _trusted_module(k.__module__)), None)
+        if untrusted_class is not None:  # a class of the user's (a config subclass with a property, say)
+            return self._distrust(f"an object of {untrusted_class.__module__}.{untrusted_class.__qualname__}")
+        if kind.__module__.split(".")[0] in _OPAQUE_PACKAGES:
             return name
         # a plain object (a config, a helper the forward reads): its attributes, slots included, but not hashes of
         # itself, which differ between processes
@@ -184,13 +193,21 @@ class _Describer:
                 parts.append(f"{key}={self.value(value, 2)}")
         return ";".join(parts)
 
-    def torch_namespaces(self) -> None:
-        """Python functions patched into torch's own namespaces (`torch.nn.functional.silu = ...`)."""
+    def torch_namespaces(self) -> str:
+        """What torch's own namespaces hold under each name (`torch.nn.functional.silu = ...`, `torch.rsqrt =
+        torch.sqrt`): builtins by name, functions by code; user code there distrusts."""
+        parts = []
         for namespace in (torch, torch.nn.functional, torch.Tensor):
-            for key, value in list(vars(namespace).items()):
-                if isinstance(value, types.FunctionType) and not _trusted_module(value.__module__):
-                    self._distrust(f"{getattr(namespace, '__name__', namespace)}.{key} = "
-                                   f"{value.__module__}.{value.__qualname__}")
+            label = getattr(namespace, "__name__", "Tensor")
+            for key, value in sorted(vars(namespace).items()):
+                if key.startswith("__") or isinstance(value, (types.ModuleType, type, torch.dtype)):
+                    continue
+                if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+                    parts.append(f"{label}.{key}={getattr(value, '__name__', '?')}")
+                elif isinstance(value, (types.FunctionType, functools.partial, staticmethod, classmethod)) or (
+                        callable(value) and not _trusted_module(type(value).__module__)):
+                    parts.append(f"{label}.{key}={self.value(value, 2)}")
+        return ";".join(parts)
 
 
 def _trusted_module(module: str | None) -> bool:
@@ -231,7 +248,9 @@ _SOURCE_HASHES: dict[str, str] = {}
 
 
 def _class_source_hash(cls: type) -> str:
-    """Hash of the file defining `cls` (a model's own code may change between runs with the same versions)."""
+    """Hash of the file defining `cls` (a model's own code may change between runs with the same versions); for
+    code outside the versioned libraries (remote code: `transformers_modules.*`), of every .py file beside it and
+    below, since its helpers may live in other files of the same folder."""
     module = sys.modules.get(cls.__module__)
     try:
         path = inspect.getsourcefile(module) if module is not None else None
@@ -240,9 +259,15 @@ def _class_source_hash(cls: type) -> str:
     if not path:
         return "?"
     if path not in _SOURCE_HASHES:
+        files = [Path(path)]
+        if cls.__module__.split(".")[0] not in _VERSIONED_PACKAGES:
+            files = sorted(Path(path).parent.rglob("*.py"))[:1000]
+        h = hashlib.sha256()
         try:
-            _SOURCE_HASHES[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-        except OSError:
+            for file in files:
+                h.update(str(file.relative_to(Path(path).parent)).encode() + b"\0" + file.read_bytes() + b"\0")
+            _SOURCE_HASHES[path] = h.hexdigest()[:16]
+        except (OSError, ValueError):
             _SOURCE_HASHES[path] = "?"
     return _SOURCE_HASHES[path]
 
@@ -301,7 +326,7 @@ def model_fingerprint(root: torch.nn.Module) -> tuple[str, list[str]]:
             modules.setdefault(cls.__module__)  # whose globals hold per-process values such as a session id)
     for module_name in modules:
         put(f"globals of {module_name}: {describer.module_globals(module_name)}")
-    describer.torch_namespaces()
+    put(f"torch namespaces: {describer.torch_namespaces()}")
     return h.hexdigest()[:24], describer.untrusted
 
 
