@@ -172,8 +172,8 @@ class _Describer:
                 break
             for key, value in sorted(vars(klass).items()):
                 if key in ("__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__annotations__",
-                           "__orig_bases__", "__parameters__", "_abc_impl", "__abstractmethods__"):
-                    continue
+                           "__orig_bases__", "__parameters__", "_abc_impl", "__abstractmethods__") or "cache" in key:
+                    continue  # (values a library caches on the class lazily depend on what the process did)
                 parts.append(f"{klass.__qualname__}.{key}={self.value(value, 2)}")
         return ";".join(parts)
 
@@ -273,14 +273,14 @@ def _class_source_hash(cls: type) -> str:
 
 
 def _package_versions() -> str:
-    """Versions of the trusted packages the compile cache's key does not name."""
+    """Versions of the trusted packages the compile cache's key does not name: installed ones, imported or not (what
+    a process happened to import must not change the fingerprint)."""
     out = []
-    for name in ("peft", "accelerate", "torchao", "bitsandbytes", "compressed_tensors"):
-        if name in sys.modules:
-            try:
-                out.append(f"{name}={importlib.metadata.version(name.replace('_', '-'))}")
-            except importlib.metadata.PackageNotFoundError:
-                out.append(f"{name}=?")
+    for name in ("peft", "accelerate", "torchao", "bitsandbytes", "compressed-tensors"):
+        try:
+            out.append(f"{name}={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            out.append(f"{name}=-")
     return ",".join(out)
 
 
