@@ -11,12 +11,17 @@ the graph), binds the named tensors of the live model, and hands the graph to th
 Dynamo would have called. A cold start compiles that very rebuilt graph too (trace, write, read back), so cold and
 warm starts give Inductor identical graphs and the warm one hits Inductor's cache.
 
-When is a stored graph used? The compile cache directory is already keyed by the model's config, dtype, library
-versions and our own sources (compilation/cache.py). The file name adds a fingerprint of everything else the
-trace read from the model: its module tree (classes and the source files defining them), every module's
-non-tensor attributes (PEFT's scalings, a norm's eps, `training`, ...), and every tensor's name, type, shape,
-strides, storage layout, dtype and device. Graphs with anything else as an input (quantized tensor subclasses, a
-tensor the model does not hold) are not stored and trace as before; so is anything that fails to write or read.
+When is a stored graph used? Dynamo's guards, which would decide this, do not survive the process, so this
+module stands in for them conservatively. The compile cache directory is already keyed by the model's config,
+dtype, library versions and our own sources (compilation/cache.py). The file name adds a fingerprint of what the
+trace may have read: the module tree (classes, the source files defining them, every class attribute and method
+by its code), every module's attributes (PEFT's scalings, a norm's eps, `training`, plain objects such as the
+config through their own attributes), the modeling files' globals, what torch's own namespaces hold, and every
+tensor's name, type, shape, strides, storage layout, dtype and device. A model is refused outright (traced every
+time, as before) when its forward path involves code or objects from outside the libraries (`_TRUSTED_PACKAGES`:
+a forward or helper patched in from the user's script can read globals, defaults and closures no fingerprint
+sees), an unregistered module attribute, or values too deep or large to describe; so are graphs with other
+inputs (quantized tensor subclasses, a tensor the model does not hold), and anything that fails to write or read.
 """
 
 from __future__ import annotations
