@@ -339,3 +339,15 @@ def test_remote_code_helpers_beside_the_modeling_file_are_hashed(tmp_path, monke
     (package / "helper.py").write_text("def post(x):\n    return x * 25.0\n")
     monkeypatch.setattr(trace_cache, "_SOURCE_HASHES", {})  # a new process: nothing remembered
     assert fingerprint() != before
+
+
+def test_fingerprint_sees_a_dict_of_functions_in_the_modeling_file(monkeypatch):
+    """`ROPE_INIT_FUNCTIONS` (imported into the modeling file) maps rope types to functions a forward may call."""
+    import transformers.models.llama.modeling_llama as modeling
+
+    base = model_fingerprint(make_llama())
+    table = getattr(modeling, "ROPE_INIT_FUNCTIONS", None)
+    if not isinstance(table, dict) or "linear" not in table or "dynamic" not in table:
+        pytest.skip("this transformers keeps no rope table in the modeling file")
+    monkeypatch.setitem(table, "linear", table["dynamic"])  # a library function under another name
+    assert model_fingerprint(make_llama()) != base

@@ -183,8 +183,8 @@ class _Describer:
         return ";".join(parts)
 
     def module_globals(self, module_name: str) -> str:
-        """Plain data, functions and classes of a modeling file (a patched helper such as `apply_rotary_pos_emb`
-        changes what a trace records)."""
+        """Plain data, dicts, functions and classes of a modeling file (a patched helper such as
+        `apply_rotary_pos_emb`, or an entry of `ROPE_INIT_FUNCTIONS`, changes what a trace records)."""
         module = sys.modules.get(module_name)
         if module is None:
             return "?"
@@ -194,7 +194,7 @@ class _Describer:
                 continue
             if isinstance(value, type):
                 parts.append(f"{key}=<{value.__module__}.{value.__qualname__}>")
-            elif isinstance(value, (types.FunctionType, functools.partial, bool, int, float, str, type(None))):
+            elif isinstance(value, (types.FunctionType, functools.partial, dict, bool, int, float, str, type(None))):
                 parts.append(f"{key}={self.value(value, 2)}")
         return ";".join(parts)
 
