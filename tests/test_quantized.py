@@ -367,6 +367,23 @@ def _long_prompts():
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
 
 
+def _generate_around_a_change(model, kw, change, **accel_kwargs):
+    """Accelerate, generate, apply `change` in place, generate again, restore, and generate stock: returns
+    (engine_info, ours before the change, ours after it, stock after it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        accelerate_model(model, **accel_kwargs)
+        try:
+            info = engine_info(model)
+            before = model.generate(**kw)
+            change()
+            ours = model.generate(**kw)
+        finally:
+            restore(model)
+        stock = model.generate(**kw)
+    return info, before, ours, stock
+
+
 @pytest.mark.parametrize("method", [m for m in ("bnb-nf4", "torchao-int8-weight-only") if m in METHODS])
 def test_qlora_adapters_on_a_quantized_model_trained_in_place_between_generates(checkpoint, method):
     """QLoRA as RL loops run it: LoRA adapters on a quantized base model, accelerated once (compiled), trained with
@@ -382,19 +399,17 @@ def test_qlora_adapters_on_a_quantized_model_trained_in_place_between_generates(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = model.generate(**kw)
-        accelerate_model(model, compile=True)
-        try:
-            assert engine_info(model)["compile"] is True
-            assert torch.equal(model.generate(**kw), ref)
-            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=5.0)
-            model.train()
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            model.eval()
-            ours = model.generate(**kw)
-        finally:
-            restore(model)
-        stock = model.generate(**kw)
+
+    def train_step() -> None:
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=5.0)
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        model.eval()
+
+    info, first, ours, stock = _generate_around_a_change(model, kw, train_step, compile=True)
+    assert info["compile"] is True
+    assert torch.equal(first, ref)
     assert not torch.equal(stock, ref), "the optimizer step did not change the tokens: the test has no teeth"
     assert torch.equal(ours, stock)
 
@@ -407,24 +422,19 @@ def test_in_place_edit_of_bitsandbytes_scales_clears_the_prefix_cache(checkpoint
     model = _load(checkpoint, method)
     model.generation_config.pad_token_id = 0
     kw = _long_prompts()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        accelerate_model(model)
-        try:
-            before = model.generate(**kw)
-            model.generate(**kw)  # the prompts are cached now
-            with torch.no_grad():
-                for layer in model.model.layers:
-                    for lin in (layer.self_attn.k_proj, layer.self_attn.v_proj):
-                        if method == "bnb-nf4":
-                            lin.weight.quant_state.absmax.mul_(-3.0)
-                        else:
-                            scb = lin.weight.SCB if getattr(lin.weight, "SCB", None) is not None else lin.state.SCB
-                            scb.mul_(-3.0)
-            ours = model.generate(**kw)
-        finally:
-            restore(model)
-        stock = model.generate(**kw)
+
+    def edit_scales() -> None:
+        model.generate(**kw)  # the prompts are cached now
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for lin in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    if method == "bnb-nf4":
+                        lin.weight.quant_state.absmax.mul_(-3.0)
+                    else:
+                        scb = lin.weight.SCB if getattr(lin.weight, "SCB", None) is not None else lin.state.SCB
+                        scb.mul_(-3.0)
+
+    _, before, ours, stock = _generate_around_a_change(model, kw, edit_scales)
     assert not torch.equal(stock, before), "the edit did not change the tokens: the test has no teeth"
     assert torch.equal(ours, stock)
 
