@@ -359,18 +359,13 @@ class PiecewiseForward:
         loaded = self.trace_cache.load(example_inputs)  # type: ignore[union-attr]
         if loaded is None:
             return None
-        gm, graph_inputs, fake_mode = loaded
         self._tracing_args = example_inputs
         try:
             with torch.no_grad():
-                with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-                    forward = self._build_traced(gm, graph_inputs)
+                forward = self._build_rebuilt(*loaded)
                 if self._template is None or self._bind_error is not None:
                     raise RuntimeError(self._bind_error or "no direct-call layout")
-                self._first_call_args = self._bind(example_inputs)
-                graph_out = forward(*self._first_call_args)
-                self._first_call_out = graph_out
-                out = graph_out[0]
+                out = forward(*self._bind(example_inputs))[0]  # the first call, recorded as Dynamo's would be
                 self._finish_binding(out, example_inputs)
                 if not self.bypasses_dynamo:
                     raise RuntimeError(self._bind_error or "direct calls unavailable")
@@ -393,9 +388,7 @@ class PiecewiseForward:
         self._template, self._arg_slots, self._size_slots = None, [], []
         self._direct, self._bind_error = None, None
         self._first_call_args = self._first_call_out = None
-        stats = CompileStats()
-        stats.capture_seconds = self.stats.capture_seconds
-        self.stats = stats
+        self.stats = CompileStats()
 
     def _log_compiled(self, total: float) -> None:
         logger.info(
@@ -430,15 +423,20 @@ class PiecewiseForward:
             blob = self.trace_cache.encode(gm, example_inputs, self._tracing_args)
             if blob is not None:
                 try:
-                    gm, example_inputs, fake_mode = self.trace_cache.decode(blob, self._tracing_args)
+                    rebuilt = self.trace_cache.decode(blob, self._tracing_args)
                 except Exception as exc:
                     logger.info("hf_accel: the traced forward does not read back (%s: %s); not stored",
                                 type(exc).__name__, exc)
                 else:
                     self._trace_blob = blob
-                    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-                        return self._build_traced(gm, example_inputs)
+                    return self._build_rebuilt(*rebuilt)
         return self._build_traced(gm, example_inputs)
+
+    def _build_rebuilt(self, gm: torch.fx.GraphModule, example_inputs: list[Any], fake_mode: Any) -> Callable:
+        """`_build_traced` for a graph read back from the trace cache, whose fake values belong to `fake_mode`
+        (Inductor checks that they match the tracing context's)."""
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            return self._build_traced(gm, example_inputs)
 
     def _build_traced(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         """Graph passes, split, compile, and the direct-call layout; returns the callable standing for `gm`."""

@@ -375,7 +375,6 @@ class TraceCache:
         self.root = root
         self.fingerprint, untrusted = model_fingerprint(root)
         self.path = self.directory / f"dynamo-graph-{self.fingerprint}.pkl"
-        self.hit = False  # the last compile came from a stored graph
         # why this model's trace is neither stored nor read (None: it is); see _TRUSTED_PACKAGES
         self.refused: str | None = "; ".join(untrusted) if untrusted else None
         if self.refused:
@@ -449,17 +448,14 @@ class TraceCache:
     # ---------------------------------------------------------------------------------------- read
     def load(self, tracing_args: Sequence[torch.Tensor]) -> tuple[torch.fx.GraphModule, list[Any], Any] | None:
         """The stored graph, ready for the backend, or None (nothing stored, or it no longer fits)."""
-        self.hit = False
         if self.refused or not self.path.is_file():
             return None
         try:
-            out = self.decode(self.path.read_bytes(), tracing_args)
+            return self.decode(self.path.read_bytes(), tracing_args)
         except Exception as exc:
             logger.warning("hf_accel: the stored traced forward %s could not be used (%s: %s); tracing again",
                            self.path, type(exc).__name__, exc)
             return None
-        self.hit = True
-        return out
 
     def decode(self, blob: bytes, tracing_args: Sequence[torch.Tensor]
                ) -> tuple[torch.fx.GraphModule, list[Any], Any]:
