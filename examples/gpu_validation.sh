@@ -92,6 +92,37 @@ case "${1:-tests}" in
         --json "$OUT/startup-$sh.json" >"$OUT/startup-$sh.log" 2>&1
       echo "== $sh"; grep -iE "startup|cold|warm|INVALID" "$OUT/startup-$sh.log" | cut -c1-160 | head -8
     done ;;
+  startup-profile)  # issue 15: where a start's time goes. A plain fresh + warm start of the 8B (capture split in
+    # its JSON), then each shape again under cProfile (host time; pstats and top lists under $OUT/prof-SHAPE)
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    timeout 150 hf-accel bench --workload startup --shape llama-3.1-8b --anchors none --no-progress \
+      --json "$OUT/startup-llama-3.1-8b.json" >"$OUT/startup-llama-3.1-8b.log" 2>&1
+    for sh in ${2:-llama-3.1-8b qwen3-0.6b}; do
+      timeout 200 hf-accel bench --workload startup --shape "$sh" --anchors none --no-progress \
+        --startup-profile "$OUT/prof-$sh" --json "$OUT/startup-prof-$sh.json" >"$OUT/startup-prof-$sh.log" 2>&1
+    done
+    for f in "$OUT"/startup-*.json; do python3 examples/startup_summary.py "$f"; done ;;
+  startup1)  # issue 15: fresh and warm starts of the shapes named (default: the 8B), with the phase split
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    for sh in ${2:-llama-3.1-8b}; do
+      timeout 190 hf-accel bench --workload startup --shape "$sh" --anchors none --no-progress \
+        --json "$OUT/startup-$sh.json" >"$OUT/startup-$sh.log" 2>&1
+      python3 examples/startup_summary.py "$OUT/startup-$sh.json"
+    done ;;
+  capture-warmup-ab)  # issue 15: warm starts of the 8B alternating per-size capture warm-ups (HF_ACCEL_CAPTURE_WARMUP=
+    # every) and one warm-up per size class (the default), after one fresh start filled the caches; same machine
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    tmp=$(mktemp -d)
+    export TORCHINDUCTOR_CACHE_DIR=$tmp/inductor TRITON_CACHE_DIR=$tmp/triton HF_ACCEL_BACKGROUND_BUILDS=0
+    export FLASHINFER_WORKSPACE_BASE=$tmp/flashinfer
+    for run in cold:class warm:every warm:class warm:every warm:class; do
+      HF_ACCEL_CAPTURE_WARMUP=${run#*:} timeout 150 python3 -m hf_accel.bench --shape "${2:-llama-3.1-8b}" \
+        --startup-child "${run%:*}" --startup-out "$OUT/ab-${run/:/-}.json" --compile-cache-dir "$tmp/hf_accel" \
+        >>"$OUT/capture-warmup-ab.log" 2>&1
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); s=r.get('engine_startup') or {}; \
+print(sys.argv[2], round(r.get('total_s',-1),2), {k: round(v,2) for k,v in (s.get('phases') or {}).items()}, \
+{k: round(v,2) for k,v in (s.get('capture_split') or {}).items()}, r.get('reasons'))" "$OUT/ab-${run/:/-}.json" "$run"
+    done ;;
   quant-tests)  # issue 16's GPU tests on a 1-GPU lease in one call: carry .gpu/extra
     # (51 MB: torchao, bitsandbytes, PEFT, server packages; installed here, no staging call) instead of .gpu/wheels
     mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl

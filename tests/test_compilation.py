@@ -344,6 +344,139 @@ def test_piecewise_graph_data_flow_simulated_on_cpu(monkeypatch):
     assert len(calls) == 3
 
 
+class _LazyPerSize:
+    """Wraps a piece (or a whole forward) so that it behaves like code that sets something up on its first run at
+    each size: run inside a (simulated) capture before it ever ran outside one at that size, it raises as CUDA does
+    for a host sync during capture."""
+
+    def __init__(self, fn, size_of, lazy_sizes, capturing) -> None:
+        self.fn, self.size_of, self.lazy_sizes, self.capturing = fn, size_of, set(lazy_sizes), capturing
+        self.ran_outside: set[int] = set()
+
+    def __call__(self, *args):
+        size = self.size_of(args)
+        if self.capturing["on"] and size in self.lazy_sizes and size not in self.ran_outside:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        if not self.capturing["on"]:
+            self.ran_outside.add(size)
+        return self.fn(*args)
+
+
+def _simulate_captures(monkeypatch, module) -> dict:
+    capturing = {"on": False}
+
+    def fake_capture(fn, pool):
+        capturing["on"] = True
+        try:
+            out = fn()
+        finally:
+            capturing["on"] = False
+        return _SimulatedGraph(fn, out), out
+
+    monkeypatch.setattr(module, "capture_graph", fake_capture)
+    monkeypatch.setattr(module, "weak_ref_tree", lambda out: out)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(module, "CaptureMemory", lambda: type("M", (), {"delta": lambda self: (0, 0)})())
+    return capturing
+
+
+@pytest.mark.parametrize("lazy_sizes,expect_warmups,expect_retries", [
+    ((), 2, 0),  # one warm-up per class: 32 (multiples of 16) and 24 (others)
+    ((16,), 3, 1),  # 16 sets something up on first use: its direct capture fails, it is warmed up and redone
+    ((8, 16), 4, 2),
+])
+def test_piecewise_capture_warms_up_once_per_class_and_retries_a_lazy_size(monkeypatch, lazy_sizes, expect_warmups,
+                                                                           expect_retries):
+    import hf_accel.compilation.piecewise as pw
+
+    capturing = _simulate_captures(monkeypatch, pw)
+    model = make_model("llama", num_layers=3)
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model)
+    sizes = [8, 16, 24, 32]
+    pf = compile_piecewise(eager, capture_sizes=sizes, use_cudagraph=True, compiler="eager")
+    compile_on_example(steps, pf)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lazy = pf.pieces[1]
+    lazy.fn = _LazyPerSize(lazy.fn, lazy._size, lazy_sizes, capturing)
+    warmed: list[int] = []
+
+    def run_dummy(size: int) -> None:
+        if not pf.graphs_enabled:
+            warmed.append(size)
+        args, ctx = steps.step([size - 1, 1], seed=size)
+        with torch.inference_mode(), forward_context(ctx):
+            pf(*args)
+
+    pf.capture(None, run_dummy, warmup_key=lambda t: t % 16 == 0)
+    assert pf.stats.capture_warmups == expect_warmups and pf.stats.capture_retries == expect_retries
+    assert warmed == [32, 24] + [s for s in (16, 8) if s in lazy_sizes]
+    assert sorted(pf.stats.captured_sizes) == sizes
+    assert [sorted(p.captures) for p in pf.pieces] == [sizes] * 3 + [[]]
+    for query_lens, context_lens in [([5, 3], [1, 2]), ([9, 2], [0, 30]), ([20, 7], [3, 0]), ([1] * 8, list(range(8)))]:
+        ref = steps.run(eager, query_lens, context_lens)
+        out = steps.run(pf, query_lens, context_lens, pad_tokens_to=pad_to_capture_size(sum(query_lens), sizes))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4, msg=f"step {query_lens}/{context_lens}")
+
+
+def test_piecewise_capture_that_fails_after_its_warm_up_raises_and_keeps_no_partial_graphs(monkeypatch):
+    import hf_accel.compilation.piecewise as pw
+
+    capturing = _simulate_captures(monkeypatch, pw)
+    model = make_model("llama", num_layers=3)
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model)
+    pf = compile_piecewise(eager, capture_sizes=[8, 16], use_cudagraph=True, compiler="eager")
+    compile_on_example(steps, pf)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    broken = pf.pieces[1]
+    inner = broken.fn
+
+    def always_fails_in_capture(*args):
+        if capturing["on"] and broken._size(args) == 8:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return inner(*args)
+
+    broken.fn = always_fails_in_capture
+
+    def run_dummy(size: int) -> None:
+        args, ctx = steps.step([size - 1, 1], seed=size)
+        with torch.inference_mode(), forward_context(ctx):
+            pf(*args)
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        pf.capture(None, run_dummy, warmup_key=lambda t: 0)
+    assert pf.stats.capture_retries == 1 and pf.stats.captured_sizes == [16]
+    assert all(8 not in p.captures for p in pf.pieces)  # the piece captured before the failure was dropped
+
+
+@pytest.mark.parametrize("lazy_keys,expect_warmups", [((), 2), ((2,), 3)])
+def test_full_graph_capture_warms_up_once_per_class_and_retries_a_lazy_key(monkeypatch, lazy_keys, expect_warmups):
+    import hf_accel.compilation.cuda_graph as cg
+
+    capturing = _simulate_captures(monkeypatch, cg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    x = torch.arange(4.0)
+    state: dict = {}
+    forward = _LazyPerSize(lambda b: x * b, lambda args: args[0], lazy_keys, capturing)
+    runner = FullCUDAGraphRunner(pool="pool")
+    prepared: list[int] = []
+
+    def prepare(b: int) -> None:
+        prepared.append(b)
+        state["b"] = b
+
+    runner.capture([1, 2, 4, 8], lambda b: forward(b), prepare_fn=prepare, warmup_key=lambda b: b == 1)
+    assert runner.warmups == expect_warmups and runner.retries == len(lazy_keys)
+    assert sorted(runner.captured_keys) == [1, 2, 4, 8]
+    for b in (1, 2, 4, 8):
+        torch.testing.assert_close(runner.replay(b), x * b)
+    # every capture (and every warm-up) was preceded by its prepare_fn
+    assert prepared[:3] == [8, 8, 4] and prepared.count(2) == (3 if lazy_keys else 1)
+
+
 # ------------------------------------------------------------------------------------------------ dispatcher
 @pytest.mark.parametrize("mode,support,piecewise,expected,downgraded", [
     ("full_and_piecewise", CUDAGraphSupport.UNIFORM_DECODE, True, CUDAGraphMode.FULL_AND_PIECEWISE, False),
@@ -500,7 +633,10 @@ class GraphSafeDecodeBackend(TorchAttentionBackend):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_piecewise_graphs_match_eager():
+@pytest.mark.parametrize("one_warmup", [False, True], ids=["warmup-per-size", "one-warmup"])
+def test_gpu_piecewise_graphs_match_eager(one_warmup):
+    """Real graphs against eager; with `one_warmup` only the largest size is warmed up and the others are captured
+    straight away (the runner's warm-up classes at their coarsest)."""
     model = make_model("llama", num_layers=3, device="cuda")
     eager = forward_fn_of(model)
     steps = PagedSteps(model)
@@ -513,8 +649,9 @@ def test_gpu_piecewise_graphs_match_eager():
         with torch.inference_mode(), forward_context(ctx):
             pf(*args)
 
-    pf.capture(sizes, run_dummy)
+    pf.capture(sizes, run_dummy, warmup_key=(lambda t: 0) if one_warmup else None)
     assert sorted(pf.stats.captured_sizes) == sizes
+    assert pf.stats.capture_warmups == (1 if one_warmup else len(sizes)) and pf.stats.capture_retries == 0
     assert all(len(p.captures) == (len(sizes) if p.graphable else 0) for p in pf.pieces)
     for query_lens, context_lens in STEPS + [([4, 3], [2, 0]), ([9, 9, 9], [0, 1, 2])]:
         t = sum(query_lens)
@@ -537,7 +674,8 @@ def test_gpu_piecewise_graphs_match_eager():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_full_graphs_for_uniform_decode_match_eager():
+@pytest.mark.parametrize("one_warmup", [False, True], ids=["warmup-per-size", "one-warmup"])
+def test_gpu_full_graphs_for_uniform_decode_match_eager(one_warmup):
     model = make_model("qwen3", num_layers=2, device="cuda")
     eager = forward_fn_of(model)
     steps = PagedSteps(model, backend_cls=GraphSafeDecodeBackend)
@@ -555,8 +693,9 @@ def test_gpu_full_graphs_for_uniform_decode_match_eager():
         with torch.inference_mode(), forward_context(state["ctx"]), pf.graphs_disabled():
             return pf(*state["args"])
 
-    full.capture(sizes, run, prepare_fn=prepare)
+    full.capture(sizes, run, prepare_fn=prepare, warmup_key=(lambda b: 0) if one_warmup else None)
     assert sorted(full.captured_keys) == sizes
+    assert full.warmups == (1 if one_warmup else len(sizes)) and full.retries == 0
     for b in (1, 3, 5, 8):
         ctx_lens = [7 + 5 * i for i in range(b)]
         ref = steps.run(eager, [1] * b, ctx_lens)

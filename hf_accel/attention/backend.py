@@ -65,6 +65,11 @@ class AttentionBackend:
     min_compute_capability: ClassVar[tuple[int, int] | None] = None  # oldest CUDA GPU it runs on (None: any)
     kv_layout: ClassVar[KVLayout] = KVLayout.NHD
     cudagraph_support: ClassVar[CUDAGraphSupport] = CUDAGraphSupport.NEVER
+    # True: the backend's first run at a new batch shape may set things up lazily (library plans, workspaces), so
+    # every full-graph capture size gets a warm-up run of its own first. False (a backend whose per-shape state is
+    # all built by `prepare` or at construction, and whose kernels only compile): sizes of one warm-up class share
+    # one warm-up (compilation.cuda_graph.FullCUDAGraphRunner.capture)
+    warmup_every_capture_size: ClassVar[bool] = True
 
     @classmethod
     def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:

@@ -43,6 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     requires_cuda = True
     cudagraph_support = CUDAGraphSupport.ALWAYS
+    warmup_every_capture_size = False  # split-KV scratch is allocated at construction, the path chosen in prepare()
 
     @classmethod
     def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:

@@ -205,6 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", default=None, metavar="PATH", help="write every raw figure here")
     o.add_argument("--plot", default=None, metavar="PATH", help="write a bar chart (needs matplotlib)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--startup-profile", default=None, metavar="DIR",
+                   help="startup workload: profile each start's accelerate_model with cProfile into DIR "
+                        "(startup-cold/warm.pstats and .txt; the timings then include the profiler's overhead)")
 
     # internal: one startup phase in a fresh process
     parser.add_argument("--startup-child", choices=("cold", "warm"), default=None, help=argparse.SUPPRESS)

@@ -46,7 +46,12 @@ def measure_startup_once(args: argparse.Namespace, device: torch.device, dtype: 
     prompts = random_prompts(spec.prompt_lengths(), 0, model.config.get_text_config().vocab_size)
     cfg = AccelConfig(**accel_kwargs(args), compile_cache_dir=cache_dir)
     free_memory(device)
-    accel_s, _ = timed(functools.partial(api.accelerate_model, model, config=cfg), device)
+    accelerate = functools.partial(api.accelerate_model, model, config=cfg)
+    profile_dir = getattr(args, "startup_profile", None)
+    if profile_dir:  # a host-side profile of the start (the figures then include cProfile's own overhead)
+        stem = Path(profile_dir) / f"startup-{args.startup_child or 'inline'}"
+        accelerate = functools.partial(_profiled, accelerate, stem)
+    accel_s, _ = timed(accelerate, device)
     first_s, out = timed(call_generate(model, prompts, 1, device), device)
     info = _engine_info(model) or {}
     rec = {"accelerate_s": accel_s, "first_token_s": first_s, "total_s": accel_s + first_s,
@@ -57,6 +62,25 @@ def measure_startup_once(args: argparse.Namespace, device: torch.device, dtype: 
     del model
     free_memory(device)
     return rec
+
+
+def _profiled(fn: Any, stem: Path) -> Any:
+    """Run `fn()` under cProfile; write `<stem>.pstats` and the top functions by cumulative and own time."""
+    import cProfile
+    import io
+    import pstats
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    profiler = cProfile.Profile()
+    try:
+        return profiler.runcall(fn)
+    finally:
+        profiler.dump_stats(str(stem) + ".pstats")
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(80)
+        stats.sort_stats("tottime").print_stats(50)
+        Path(str(stem) + ".txt").write_text(text.getvalue())
 
 
 def _startup_child(args: argparse.Namespace) -> int:
@@ -109,7 +133,8 @@ def _startup_subprocess(args: argparse.Namespace, tmp: str, cache_dir: str, phas
     env["HF_ACCEL_BACKGROUND_BUILDS"] = "0"
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "hf_accel.bench", *_accel_argv(args), "--startup-child", phase,
+    profile = ["--startup-profile", args.startup_profile] if getattr(args, "startup_profile", None) else []
+    cmd = [sys.executable, "-m", "hf_accel.bench", *_accel_argv(args), *profile, "--startup-child", phase,
            "--startup-out", out_path, "--compile-cache-dir", cache_dir]
     t0 = time.perf_counter()
     try:

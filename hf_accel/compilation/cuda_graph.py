@@ -167,6 +167,9 @@ class FullCUDAGraphRunner:
         self.num_warmups = num_warmups
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.capture_seconds = 0.0
+        self.warmup_seconds = 0.0  # of capture_seconds: the warm-up forwards before captures
+        self.warmups = 0  # keys warmed up (the first of each warm-up class, and any retried)
+        self.retries = 0  # keys whose capture without a warm-up of their own failed and was redone
         self.pool_bytes = 0  # reserved-memory growth over all captures
 
     def __contains__(self, key: Hashable) -> bool:
@@ -178,11 +181,15 @@ class FullCUDAGraphRunner:
 
     def capture(self, keys: Iterable[Hashable], run_fn: Callable[[Hashable], Any],
                 prepare_fn: Callable[[Hashable], Any] | None = None,
-                sort_key: Callable[[Hashable], Any] | None = None) -> None:
+                sort_key: Callable[[Hashable], Any] | None = None,
+                warmup_key: Callable[[Hashable], Hashable] | None = None) -> None:
         """Warm up and capture `run_fn(key)` for every key not captured yet, largest first (memory reuse).
 
         `prepare_fn(key)`, if given, runs before each warm-up and before the capture, outside the graph: fill the
         persistent buffers with a dummy batch of that shape, set the forward context, `backend.prepare(meta)`.
+        `warmup_key(key)`, when given, names the class of keys that run the same kernels with the same
+        specializations: only the first key of a class gets the `num_warmups` warm-up runs; a key captured without
+        its own warm-up that fails is warmed up and captured again (a second failure raises).
         """
         if not torch.cuda.is_available():
             raise RuntimeError("FullCUDAGraphRunner.capture needs CUDA")
@@ -193,28 +200,53 @@ class FullCUDAGraphRunner:
             return
         mem = CaptureMemory()
         t0 = time.perf_counter()
+        warmed: set[Hashable] = set()
         for key in todo:
-            for _ in range(self.num_warmups):
-                if prepare_fn is not None:
-                    prepare_fn(key)
-                run_fn(key)  # lazy init, autotuning, workspaces: all outside the capture
-            if prepare_fn is not None:
-                prepare_fn(key)
-            torch.cuda.synchronize()
+            cls = warmup_key(key) if warmup_key is not None else ("key", key)
+            if cls not in warmed:
+                self._warm_up(key, run_fn, prepare_fn)
+                warmed.add(cls)
+                self._capture_one(key, run_fn, prepare_fn)
+                continue
             try:
-                graph, out = capture_graph(lambda k=key: run_fn(k), self.pool)
-            except BaseException:
-                self.pool = None  # a later capture takes a new handle (see capture_graph)
-                raise
-            graph.replay()  # capture only records; replay so the buffers hold a real result
-            self._graphs[key] = (graph, weak_ref_tree(out))
+                self._capture_one(key, run_fn, prepare_fn)
+            except Exception as exc:  # something of this key still initialises lazily: warm it up, try again
+                logger.info("hf_accel: full CUDA graph capture of %s without its own warm-up failed (%s: %s); "
+                            "warming it up and capturing again", key, type(exc).__name__,
+                            str(exc).splitlines()[0][:200] if str(exc) else "")
+                self.retries += 1
+                self._warm_up(key, run_fn, prepare_fn)
+                self._capture_one(key, run_fn, prepare_fn)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         allocated, reserved = mem.delta()
         self.capture_seconds += elapsed
         self.pool_bytes += reserved
-        logger.info("captured %d full CUDA graph(s) in %.2f s (device memory: %+.1f MiB allocated, %+.1f MiB "
-                    "reserved)", len(todo), elapsed, allocated / 2**20, reserved / 2**20)
+        logger.info("captured %d full CUDA graph(s) in %.2f s, %d warm-ups (device memory: %+.1f MiB allocated, "
+                    "%+.1f MiB reserved)", len(todo), elapsed, self.warmups, allocated / 2**20, reserved / 2**20)
+
+    def _warm_up(self, key: Hashable, run_fn: Callable[[Hashable], Any],
+                 prepare_fn: Callable[[Hashable], Any] | None) -> None:
+        t0 = time.perf_counter()
+        for _ in range(self.num_warmups):
+            if prepare_fn is not None:
+                prepare_fn(key)
+            run_fn(key)  # lazy init, autotuning, workspaces: all outside the capture
+        self.warmups += 1
+        self.warmup_seconds += time.perf_counter() - t0
+
+    def _capture_one(self, key: Hashable, run_fn: Callable[[Hashable], Any],
+                     prepare_fn: Callable[[Hashable], Any] | None) -> None:
+        if prepare_fn is not None:
+            prepare_fn(key)
+        torch.cuda.synchronize()
+        try:
+            graph, out = capture_graph(lambda: run_fn(key), self.pool)
+        except BaseException:
+            self.pool = torch.cuda.graph_pool_handle()  # never capture into a failed capture's pool again
+            raise
+        graph.replay()  # capture only records; replay so the buffers hold a real result
+        self._graphs[key] = (graph, weak_ref_tree(out))
 
     def replay(self, key: Hashable) -> Any:
         """Replay the graph of `key`; returns the captured output (valid until the next replay of the pool)."""

@@ -30,7 +30,7 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,11 @@ class CompileStats:
     trace_source: str = ""
     compile_seconds: float = 0.0  # split + Inductor
     capture_seconds: float = 0.0
+    # where capture time goes: the untimed warm-up forward per size, and the capturing forward itself
+    capture_warmup_seconds: float = 0.0
+    capture_record_seconds: float = 0.0
+    capture_warmups: int = 0  # sizes warmed up (the first of each warm-up class, and any retried)
+    capture_retries: int = 0  # sizes whose capture without a warm-up of their own failed and was redone
     captured_sizes: list[int] = field(default_factory=list)
     pool_bytes_allocated: int = 0
     pool_bytes_reserved: int = 0
@@ -707,8 +712,17 @@ class PiecewiseForward:
         self.stats.captured_sizes.clear()
         self.stats.pool_bytes_allocated = self.stats.pool_bytes_reserved = 0
 
-    def capture(self, sizes: Iterable[int] | None, run_fn: Callable[[int], Any]) -> None:
-        """Capture the graphable pieces for every T in `sizes` (default: capture_sizes), largest first."""
+    def capture(self, sizes: Iterable[int] | None, run_fn: Callable[[int], Any],
+                warmup_key: Callable[[int], Hashable] | None = None) -> None:
+        """Capture the graphable pieces for every T in `sizes` (default: capture_sizes), largest first.
+
+        Each size is first run once outside any capture (a warm-up: Inductor's first-launch autotuning, lazy kernel
+        builds and workspaces must not happen inside a capture). `warmup_key(T)`, when given, names the class of
+        sizes that run the same kernels with the same specializations; only the first (largest) size of a class is
+        warmed up, the others are captured directly (a warm-up costs a whole forward, and most sizes share a class
+        with a larger one). Should a size captured without its own warm-up fail, it is warmed up and captured again;
+        a second failure raises.
+        """
         if not self.use_cudagraph:
             return
         if not self.compiled:
@@ -723,28 +737,57 @@ class PiecewiseForward:
             return
         mem = CaptureMemory()
         t0 = time.perf_counter()
+        warmed: set[Hashable] = set()
         for size in todo:
-            with self.graphs_disabled():
-                run_fn(size)  # warm-up: Triton autotuning, cuBLAS workspaces, lazy init, outside any capture
-            torch.cuda.synchronize()
-            self.graphs_enabled = True
-            self.capturing_size, self.pool_ptrs = size, set()
+            key = warmup_key(size) if warmup_key is not None else ("size", size)
+            if key not in warmed:
+                self._warm_up(size, run_fn)
+                warmed.add(key)
+                self._capture_size(size, run_fn)
+                continue
             try:
-                run_fn(size)
-            except BaseException:
-                self.graph_pool = None  # a later capture takes a new handle (see cuda_graph.capture_graph)
-                raise
-            finally:
-                self.capturing_size, self.pool_ptrs = None, set()
-            self.stats.captured_sizes.append(size)
+                self._capture_size(size, run_fn)
+            except Exception as exc:  # something of this size still initialises lazily: warm it up, try again
+                logger.info("hf_accel: piecewise capture of T=%d without its own warm-up failed (%s: %s); warming "
+                            "it up and capturing again", size, type(exc).__name__, str(exc).splitlines()[0][:200]
+                            if str(exc) else "")
+                self.stats.capture_retries += 1
+                self._warm_up(size, run_fn)
+                self._capture_size(size, run_fn)
         elapsed = time.perf_counter() - t0
         allocated, reserved = mem.delta()
         self.stats.capture_seconds += elapsed
         self.stats.pool_bytes_allocated += allocated
         self.stats.pool_bytes_reserved += reserved
-        logger.info("captured piecewise CUDA graphs for %d sizes x %d pieces in %.2f s (device memory: %+.1f MiB "
-                    "allocated, %+.1f MiB reserved)", len(todo), self.stats.num_graphable, elapsed,
-                    allocated / 2**20, reserved / 2**20)
+        logger.info("captured piecewise CUDA graphs for %d sizes x %d pieces in %.2f s, %d warm-ups (device memory: "
+                    "%+.1f MiB allocated, %+.1f MiB reserved)", len(todo), self.stats.num_graphable, elapsed,
+                    self.stats.capture_warmups, allocated / 2**20, reserved / 2**20)
+
+    def _warm_up(self, size: int, run_fn: Callable[[int], Any]) -> None:
+        t0 = time.perf_counter()
+        with self.graphs_disabled():
+            run_fn(size)  # Triton autotuning, cuBLAS workspaces, lazy init: outside any capture
+        torch.cuda.synchronize()
+        self.stats.capture_warmups += 1
+        self.stats.capture_warmup_seconds += time.perf_counter() - t0
+
+    def _capture_size(self, size: int, run_fn: Callable[[int], Any]) -> None:
+        """One forward at padded size T that captures every graphable piece (attention runs eagerly between them).
+        On failure no piece keeps a graph of this T, and later captures take a new pool handle."""
+        t0 = time.perf_counter()
+        self.graphs_enabled = True
+        self.capturing_size, self.pool_ptrs = size, set()
+        try:
+            run_fn(size)
+        except BaseException:
+            self.graph_pool = torch.cuda.graph_pool_handle()  # see cuda_graph.capture_graph: never reuse a failed one
+            for piece in self.pieces:
+                piece.captures.pop(size, None)
+            raise
+        finally:
+            self.capturing_size, self.pool_ptrs = None, set()
+            self.stats.capture_record_seconds += time.perf_counter() - t0
+        self.stats.captured_sizes.append(size)
 
 
 def compile_piecewise(forward_fn: Callable[..., torch.Tensor], *, capture_sizes: Iterable[int] = (),

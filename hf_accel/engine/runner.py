@@ -10,6 +10,7 @@ the family's own.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -367,6 +368,21 @@ class ModelRunner:
             if self.piecewise is not None and self.piecewise.route_linears:
                 self._tune_linears(info, phase, dtype, pdl, cache.path)
 
+        # Padded sizes that run the same kernels with the same specializations share one warm-up: the small-M
+        # linear's M bucket, and Triton's integer specializations (1, multiples of 16, others). Quantized weights
+        # (tensor subclasses, bitsandbytes parameters, 8-bit floats) run library kernels that may set state up per
+        # shape on first use, so there every size keeps a warm-up of its own.
+        # HF_ACCEL_CAPTURE_WARMUP=every gives every size its own warm-up again (an A/B, or a suspected capture bug).
+        plain_weights = all(type(p) is torch.nn.Parameter and p.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                            for p in self.model.parameters()) and os.environ.get("HF_ACCEL_CAPTURE_WARMUP") != "every"
+
+        def capture_class(t: int) -> tuple:
+            from hf_accel.ops.linear import m_bucket
+
+            if not plain_weights:
+                return ("size", t)
+            return (m_bucket(t) if small_m_gemm else None, t == 1, t % 16 == 0)
+
         def capture_graphs() -> None:
             if compile:
                 t0 = time.perf_counter()
@@ -381,7 +397,14 @@ class ModelRunner:
                 if on_cuda:
                     phase("capture CUDA graphs", f"piecewise: {len(self.dispatcher.piecewise_sizes)} sizes, "
                                                  f"full: {len(self.dispatcher.full_capture_keys())} batch shapes")
-                    self.piecewise.capture(self.dispatcher.piecewise_sizes, run_piece)
+                    self.piecewise.capture(self.dispatcher.piecewise_sizes, run_piece, warmup_key=capture_class)
+                    stats = self.piecewise.stats
+                    info["capture_split"] = {"piecewise_s": time.perf_counter() - t0,
+                                             "piecewise_warmup_s": stats.capture_warmup_seconds,
+                                             "piecewise_record_s": stats.capture_record_seconds,
+                                             "piecewise_graphs": len(stats.captured_sizes) * stats.num_graphable,
+                                             "piecewise_warmups": stats.capture_warmups,
+                                             "piecewise_retries": stats.capture_retries}
                 info["capture_s"] += time.perf_counter() - t0
             keys = self.dispatcher.full_capture_keys() if on_cuda else []
             if keys:
@@ -407,7 +430,12 @@ class ModelRunner:
                         return self.forward_2d(self.input_ids[:b][None], self.positions[:b][None],
                                                self.decode_logits_indices[:b])
 
-                self.full_graphs.capture(keys, run_full, prepare_fn=prepare_full, sort_key=lambda k: k.num_tokens)
+                self.full_graphs.capture(keys, run_full, prepare_fn=prepare_full, sort_key=lambda k: k.num_tokens,
+                                         warmup_key=None if self.backend.warmup_every_capture_size
+                                         else lambda k: (k.uniform_decode, capture_class(k.num_tokens)))
+                info.setdefault("capture_split", {}).update(
+                    full_s=time.perf_counter() - t0, full_warmup_s=self.full_graphs.warmup_seconds,
+                    full_graphs=len(keys), full_warmups=self.full_graphs.warmups, full_retries=self.full_graphs.retries)
                 info["capture_s"] += time.perf_counter() - t0
 
         try:

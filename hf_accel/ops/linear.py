@@ -50,7 +50,8 @@ _decisions: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
-def _bucket(m: int) -> int | None:
+def m_bucket(m: int) -> int | None:
+    """The tuned M bucket a step of `m` rows uses (None above the largest: cuBLAS)."""
     for b in M_BUCKETS:
         if m <= b:
             return b
@@ -100,7 +101,7 @@ def _(x, weight, bias, use_pdl):
 def tuned_config(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, m: int):
     """The tuned tile config for a step of `m` rows (the decision of the smallest bucket >= m), or None: not tuned,
     more rows than any bucket, or the baseline won. `dtype`: as in `decisions_for`."""
-    bucket = _bucket(m)
+    bucket = m_bucket(m)
     return _decisions.get(_key(device, dtype, n, k, has_bias, bucket)) if bucket is not None else None
 
 

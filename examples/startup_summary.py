@@ -1,0 +1,26 @@
+"""One line per start of an `hf-accel bench --workload startup` JSON: total, phases, trace source, capture split.
+
+    python examples/startup_summary.py startup-llama-3.1-8b.json
+"""
+
+import json
+import sys
+
+
+def main(path: str) -> None:
+    data = json.load(open(path))["startup"]
+    name = path.rsplit("/", 1)[-1]
+    for phase in ("cold", "warm"):
+        rec = data.get(phase) or {}
+        s = rec.get("engine_startup") or {}
+        if not s:
+            print(name, phase, "no figure:", rec.get("reasons"), (rec.get("stderr_tail") or "")[-600:])
+            continue
+        print(name, phase, f"total {rec.get('total_s', -1):.1f} s",
+              {k: round(v, 2) for k, v in (s.get("phases") or {}).items()}, s.get("trace_source"),
+              {k: round(v, 2) for k, v in (s.get("capture_split") or {}).items()})
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        main(arg)
