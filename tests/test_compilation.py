@@ -477,6 +477,35 @@ def test_full_graph_capture_warms_up_once_per_class_and_retries_a_lazy_key(monke
     assert prepared[:3] == [8, 8, 4] and prepared.count(2) == (3 if lazy_keys else 1)
 
 
+def test_capture_warmup_classes_follow_kernels_and_stay_per_size_where_unsafe(monkeypatch):
+    from hf_accel.engine.runner import capture_warmup_class
+
+    model = make_model("llama", num_layers=2)
+    cls = capture_warmup_class(model, small_m_gemm=True, tensor_parallel=False)
+    sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 128, 512]
+    groups: dict = {}
+    for t in sizes:
+        groups.setdefault(cls(t), []).append(t)
+    assert sorted(groups.values()) == sorted([[1], [2, 4, 8], [16], [24, 40, 56], [32, 48, 64], [72, 88],
+                                              [80, 96, 128, 512]])
+    no_small_m = capture_warmup_class(model, small_m_gemm=False, tensor_parallel=False)
+    assert no_small_m(8) == no_small_m(72) and no_small_m(16) == no_small_m(512) and no_small_m(1) != no_small_m(2)
+    # every size its own class: tensor-parallel ranks, the switch, and weights that are not plain parameters
+    assert len({capture_warmup_class(model, small_m_gemm=True, tensor_parallel=True)(t) for t in sizes}) == len(sizes)
+    monkeypatch.setenv("HF_ACCEL_CAPTURE_WARMUP", "every")
+    assert len({capture_warmup_class(model, small_m_gemm=True, tensor_parallel=False)(t) for t in sizes}) == len(sizes)
+    monkeypatch.delenv("HF_ACCEL_CAPTURE_WARMUP")
+
+    class QuantizedParam(torch.nn.Parameter):  # stands in for bitsandbytes' Params4bit
+        pass
+
+    layer = model.model.layers[0].mlp.down_proj
+    layer.weight = QuantizedParam(layer.weight.data)
+    assert len({capture_warmup_class(model, small_m_gemm=True, tensor_parallel=False)(t) for t in sizes}) == len(sizes)
+    layer.weight = torch.nn.Parameter(layer.weight.data.to(torch.float8_e4m3fn), requires_grad=False)
+    assert len({capture_warmup_class(model, small_m_gemm=True, tensor_parallel=False)(t) for t in sizes}) == len(sizes)
+
+
 # ------------------------------------------------------------------------------------------------ dispatcher
 @pytest.mark.parametrize("mode,support,piecewise,expected,downgraded", [
     ("full_and_piecewise", CUDAGraphSupport.UNIFORM_DECODE, True, CUDAGraphMode.FULL_AND_PIECEWISE, False),

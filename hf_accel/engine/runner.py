@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +59,26 @@ def engine_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
     mask = torch.ones_like(input_ids, dtype=torch.bool)
     return model(input_ids=input_ids, position_ids=positions, attention_mask=mask, logits_to_keep=logits_indices,
                  use_cache=False).logits
+
+
+def capture_warmup_class(model: torch.nn.Module, *, small_m_gemm: bool,
+                         tensor_parallel: bool) -> Callable[[int], Hashable]:
+    """The warm-up class of a padded capture size (compilation.piecewise / cuda_graph capture with `warmup_key`).
+
+    Sizes that run the same kernels with the same specializations share one warm-up: the small-M linear's M bucket,
+    and Triton's integer specializations (1, multiples of 16, others). Every size is its own class where that does
+    not hold or is not safe: quantized weights (tensor subclasses, bitsandbytes parameters, 8-bit floats) run
+    library kernels that may set state up per shape on first use; on a tensor-parallel rank, a size retried after
+    a failed capture (warmed up then) on one rank alone would run collectives its peers do not; and
+    HF_ACCEL_CAPTURE_WARMUP=every asks for it (an A/B, or a suspected capture bug).
+    """
+    from hf_accel.ops.linear import m_bucket
+
+    plain_weights = all(type(p) is torch.nn.Parameter and p.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                        for p in model.parameters())
+    if not plain_weights or tensor_parallel or os.environ.get("HF_ACCEL_CAPTURE_WARMUP") == "every":
+        return lambda t: ("size", t)
+    return lambda t: (m_bucket(t) if small_m_gemm else None, t == 1, t % 16 == 0)
 
 
 class ModelRunner:
@@ -368,20 +388,7 @@ class ModelRunner:
             if self.piecewise is not None and self.piecewise.route_linears:
                 self._tune_linears(info, phase, dtype, pdl, cache.path)
 
-        # Padded sizes that run the same kernels with the same specializations share one warm-up: the small-M
-        # linear's M bucket, and Triton's integer specializations (1, multiples of 16, others). Quantized weights
-        # (tensor subclasses, bitsandbytes parameters, 8-bit floats) run library kernels that may set state up per
-        # shape on first use, so there every size keeps a warm-up of its own.
-        # HF_ACCEL_CAPTURE_WARMUP=every gives every size its own warm-up again (an A/B, or a suspected capture bug).
-        plain_weights = all(type(p) is torch.nn.Parameter and p.dtype in (torch.float16, torch.bfloat16, torch.float32)
-                            for p in self.model.parameters()) and os.environ.get("HF_ACCEL_CAPTURE_WARMUP") != "every"
-
-        def capture_class(t: int) -> tuple:
-            from hf_accel.ops.linear import m_bucket
-
-            if not plain_weights:
-                return ("size", t)
-            return (m_bucket(t) if small_m_gemm else None, t == 1, t % 16 == 0)
+        capture_class = capture_warmup_class(self.model, small_m_gemm=small_m_gemm, tensor_parallel=tp is not None)
 
         def capture_graphs() -> None:
             if compile:
