@@ -452,6 +452,49 @@ def test_piecewise_capture_that_fails_after_its_warm_up_raises_and_keeps_no_part
     assert all(8 not in p.captures for p in pf.pieces)  # the piece captured before the failure was dropped
 
 
+def test_piecewise_retry_moves_to_a_new_pool_and_never_captures_into_the_failed_one(monkeypatch):
+    """A failed capture's pool is not captured into again (cuda_graph.capture_graph): the retry and every later
+    capture, including the full graphs the runner hands the same pool, use a new handle."""
+    import hf_accel.compilation.piecewise as pw
+
+    capturing = _simulate_captures(monkeypatch, pw)
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: f"pool{next(handles)}")
+    failed_pools: set[str] = set()
+    used: list[tuple[int, str]] = []
+    simulated = pw.capture_graph
+
+    def refusing_capture(fn, pool):
+        assert pool not in failed_pools, f"captured into the failed pool {pool}"
+        used.append((pf.capturing_size, pool))
+        try:
+            return simulated(fn, pool)
+        except RuntimeError:
+            failed_pools.add(pool)
+            raise
+
+    monkeypatch.setattr(pw, "capture_graph", refusing_capture)
+    model = make_model("llama", num_layers=3)
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model)
+    sizes = [8, 16, 24]
+    pf = compile_piecewise(eager, capture_sizes=sizes, use_cudagraph=True, compiler="eager", graph_pool="pool-runner")
+    compile_on_example(steps, pf)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lazy = pf.pieces[2]
+    lazy.fn = _LazyPerSize(lazy.fn, lazy._size, [16], capturing)
+
+    def run_dummy(size: int) -> None:
+        args, ctx = steps.step([size - 1, 1], seed=size)
+        with torch.inference_mode(), forward_context(ctx):
+            pf(*args)
+
+    pf.capture(None, run_dummy, warmup_key=lambda t: 0)
+    assert failed_pools == {"pool-runner"} and pf.graph_pool not in failed_pools and pf.stats.capture_retries == 1
+    assert {pool for size, pool in used if size == 8} == {pf.graph_pool}  # after the failure: the new handle
+    assert sorted(pf.stats.captured_sizes) == sizes
+
+
 @pytest.mark.parametrize("lazy_keys,expect_warmups", [((), 2), ((2,), 3)])
 def test_full_graph_capture_warms_up_once_per_class_and_retries_a_lazy_key(monkeypatch, lazy_keys, expect_warmups):
     import hf_accel.compilation.cuda_graph as cg
@@ -499,6 +542,11 @@ def test_capture_warmup_classes_follow_kernels_and_stay_per_size_where_unsafe(mo
     class QuantizedParam(torch.nn.Parameter):  # stands in for bitsandbytes' Params4bit
         pass
 
+    model.model.register_buffer("ids", torch.arange(4))  # int64 buffers (position ids) are not quantized weights
+    assert capture_warmup_class(model, small_m_gemm=True, tensor_parallel=False)(24) == cls(40)
+    model.model.layers[1].mlp.down_proj.register_buffer("qweight", torch.zeros(4, 4, dtype=torch.int32))  # GPTQ
+    assert len({capture_warmup_class(model, small_m_gemm=True, tensor_parallel=False)(t) for t in sizes}) == len(sizes)
+    del model.model.layers[1].mlp.down_proj.qweight
     layer = model.model.layers[0].mlp.down_proj
     layer.weight = QuantizedParam(layer.weight.data)
     assert len({capture_warmup_class(model, small_m_gemm=True, tensor_parallel=False)(t) for t in sizes}) == len(sizes)

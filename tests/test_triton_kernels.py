@@ -309,6 +309,22 @@ def test_path_choice_depends_on_batch_shape_only():
     assert be.splits_for_step(dataclasses.replace(step.meta, max_query_len=2)) == 1
 
 
+def test_full_graph_capture_variant_follows_the_split_count():
+    """Full-graph sizes share a warm-up only when their kernels agree: a decode batch's split count picks the merge
+    kernel's constants, so it is part of the variant; mixed full graphs are each their own."""
+    step = make_step([1], [10], num_kv_heads=8, num_heads=16, head_dim=16)
+    be = TritonAttentionBackend(spec_of(step), DEVICE, 16, 256, 256, 2048, num_sms=132)
+    sizes = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256]
+    for a in sizes:
+        for b in sizes:
+            same_splits = be._num_splits_for(a) == be._num_splits_for(b)
+            assert (be.capture_variant(a, True) == be.capture_variant(b, True)) == same_splits
+            assert (be.capture_variant(a, False) == be.capture_variant(b, False)) == (a == b)
+    assert len({be.capture_variant(n, True) for n in sizes}) > 2  # several split counts among the sizes
+    reference = TorchAttentionBackend(spec_of(step), DEVICE, 16, 256, 256, 2048)
+    assert len({reference.capture_variant(n, True) for n in sizes}) == len(sizes)  # the default: every size its own
+
+
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 32768, 64, 132) == 1
     for n in (1, 2, 3, 8, 20):

@@ -8,6 +8,7 @@ layout (`KVLayout.NHD`, see metadata.py), so the engine's block size is the only
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -65,11 +66,15 @@ class AttentionBackend:
     min_compute_capability: ClassVar[tuple[int, int] | None] = None  # oldest CUDA GPU it runs on (None: any)
     kv_layout: ClassVar[KVLayout] = KVLayout.NHD
     cudagraph_support: ClassVar[CUDAGraphSupport] = CUDAGraphSupport.NEVER
-    # True: the backend's first run at a new batch shape may set things up lazily (library plans, workspaces), so
-    # every full-graph capture size gets a warm-up run of its own first. False (a backend whose per-shape state is
-    # all built by `prepare` or at construction, and whose kernels only compile): sizes of one warm-up class share
-    # one warm-up (compilation.cuda_graph.FullCUDAGraphRunner.capture)
-    warmup_every_capture_size: ClassVar[bool] = True
+
+    def capture_variant(self, num_seqs: int, uniform_decode: bool) -> Hashable:
+        """What, besides the padded size's warm-up class, picks this backend's kernels and state in a full CUDA graph
+        of `num_seqs` (padded) sequences: full-graph sizes with equal variants share one warm-up run
+        (engine/runner.capture_warmup_class). The default makes every size its own: a library's first run at a batch
+        shape may set things up lazily (plans, workspaces), which must happen outside the capture. A backend whose
+        per-shape state is all built at construction or by `prepare`, and whose kernels only compile on first use,
+        returns what selects its kernel variants."""
+        return ("size", num_seqs, uniform_decode)
 
     @classmethod
     def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:

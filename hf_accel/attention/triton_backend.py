@@ -13,6 +13,7 @@ defined, which lets the class run on CPU tensors in the interpreter.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,7 +44,6 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     requires_cuda = True
     cudagraph_support = CUDAGraphSupport.ALWAYS
-    warmup_every_capture_size = False  # split-KV scratch is allocated at construction, the path chosen in prepare()
 
     @classmethod
     def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
@@ -102,6 +102,12 @@ class TritonAttentionBackend(AttentionBackend):
                                                                    self.spec.num_heads // self.spec.num_kv_heads)
         return self._split.choose_num_splits(num_seqs, self.spec.num_kv_heads,
                                              self.max_blocks_per_seq * self.block_size, cfg.block_n, self.num_sms)
+
+    def capture_variant(self, num_seqs: int, uniform_decode: bool) -> Hashable:
+        """A uniform-decode graph's kernels follow its split count (the merge kernel's split constants); the split-KV
+        scratch is allocated at construction and the path chosen in prepare(). Mixed full graphs (mode "full") pick
+        their tile from the step's query lengths: each size its own."""
+        return ("splits", self._num_splits_for(num_seqs)) if uniform_decode else ("size", num_seqs)
 
     def splits_for_step(self, meta: StepMetadata) -> int:
         """KV splits this step will use: > 1 is the split-KV decode path, 1 the unified kernel."""

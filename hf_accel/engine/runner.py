@@ -61,13 +61,19 @@ def engine_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
                  use_cache=False).logits
 
 
+# integer buffers of quantized linears (GPTQ / AWQ `qweight`, `qzeros`: int32) mark a quantized model; int64 buffers
+# (position ids) and bool masks do not
+_QUANTIZED_BUFFER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32)
+
+
 def capture_warmup_class(model: torch.nn.Module, *, small_m_gemm: bool,
                          tensor_parallel: bool) -> Callable[[int], Hashable]:
     """The warm-up class of a padded capture size (compilation.piecewise / cuda_graph capture with `warmup_key`).
 
     Sizes that run the same kernels with the same specializations share one warm-up: the small-M linear's M bucket,
     and Triton's integer specializations (1, multiples of 16, others). Every size is its own class where that does
-    not hold or is not safe: quantized weights (tensor subclasses, bitsandbytes parameters, 8-bit floats) run
+    not hold or is not safe: quantized weights (tensor subclasses, bitsandbytes parameters, 8-bit floats, integer
+    buffers such as GPTQ's) run
     library kernels that may set state up per shape on first use; on a tensor-parallel rank, a size retried after
     a failed capture (warmed up then) on one rank alone would run collectives its peers do not; and
     HF_ACCEL_CAPTURE_WARMUP=every asks for it (an A/B, or a suspected capture bug).
@@ -75,7 +81,8 @@ def capture_warmup_class(model: torch.nn.Module, *, small_m_gemm: bool,
     from hf_accel.ops.linear import m_bucket
 
     plain_weights = all(type(p) is torch.nn.Parameter and p.dtype in (torch.float16, torch.bfloat16, torch.float32)
-                        for p in model.parameters())
+                        for p in model.parameters()) and not any(
+        b.dtype in _QUANTIZED_BUFFER_DTYPES or b.dtype.itemsize == 1 for b in model.buffers())  # GPTQ / AWQ qweights
     if not plain_weights or tensor_parallel or os.environ.get("HF_ACCEL_CAPTURE_WARMUP") == "every":
         return lambda t: ("size", t)
     return lambda t: (m_bucket(t) if small_m_gemm else None, t == 1, t % 16 == 0)
@@ -418,7 +425,10 @@ class ModelRunner:
                 t0 = time.perf_counter()
                 if not (compile and on_cuda):
                     phase("capture CUDA graphs", f"full: {len(keys)} batch shapes")
-                self.full_graphs = FullCUDAGraphRunner(pool)
+                # the piecewise graphs' pool: a capture that failed and was retried there moved it to a new handle
+                # (a failed capture's pool is not captured into again; compilation/cuda_graph.capture_graph)
+                shared = self.piecewise.graph_pool if self.piecewise is not None else None
+                self.full_graphs = FullCUDAGraphRunner(shared if shared is not None else pool)
                 metas: dict = {}
 
                 def prepare_full(key):
@@ -438,8 +448,9 @@ class ModelRunner:
                                                self.decode_logits_indices[:b])
 
                 self.full_graphs.capture(keys, run_full, prepare_fn=prepare_full, sort_key=lambda k: k.num_tokens,
-                                         warmup_key=None if self.backend.warmup_every_capture_size
-                                         else lambda k: (k.uniform_decode, capture_class(k.num_tokens)))
+                                         warmup_key=lambda k: (capture_class(k.num_tokens),
+                                                               self.backend.capture_variant(k.num_tokens,
+                                                                                            k.uniform_decode)))
                 info.setdefault("capture_split", {}).update(
                     full_s=time.perf_counter() - t0, full_warmup_s=self.full_graphs.warmup_seconds,
                     full_graphs=len(keys), full_warmups=self.full_graphs.warmups, full_retries=self.full_graphs.retries)
