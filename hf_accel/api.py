@@ -417,7 +417,8 @@ def _choose_backend(model, cfg: AccelConfig, spec: AttentionSpec, device: torch.
             _mark_built(cls, spec, device, cfg)
     store_choice(cache_file, best, timings, static_choice=static.name, candidates=[c.name for c in ready],
                  unusable=unusable)
-    summary = ", ".join(f"{name} " + (f"{t['score']:.3f}" if "score" in t else "failed") for name, t in timings.items())
+    summary = ", ".join(f"{name} " + (f"{t['score']:.3f}" if "score" in t else "not timed" if "skipped" in t
+                                      else "failed") for name, t in timings.items())
     logger.info("hf_accel: attention autotune chose %s in %.1f s (score = %s x decode ms + prefill ms: %s)",
                 best.name, seconds, DECODE_WEIGHT, summary)
     return best, {"chosen": best.name, "static_choice": static.name, "seconds": seconds, "cached": False,

@@ -74,8 +74,8 @@ def format_report(report: dict[str, Any]) -> str:
     if info:
         tune = info.get("backend_autotune")
         if tune and tune.get("timings"):
-            scores = ", ".join(f"{k} {v['score']:.3f}" if "score" in v else f"{k} failed"
-                               for k, v in tune["timings"].items())
+            scores = ", ".join(f"{k} {v['score']:.3f}" if "score" in v else f"{k} not timed" if "skipped" in v
+                               else f"{k} failed" for k, v in tune["timings"].items())
             how = ("remembered from an earlier start's timing of" if tune.get("cached")
                    else f"timed in {tune.get('seconds', 0):.1f} s:")
             head.append(f"attention 'auto': {how} {tune.get('candidates')}, chose {tune.get('chosen')} (static "
