@@ -327,8 +327,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
                      "kv_cache_s": engine.stats.timings.get("kv_cache_s", 0.0),
                      "compile_s": ci.get("compile_s", 0.0), "capture_s": ci.get("capture_s", 0.0)}
     state.startup.update({k: ci[k] for k in ("trace_s", "trace_source", "split_compile_s", "small_m_gemm_s",
-                                                   "capture_split")
-                          if k in ci})
+                                             "capture_split") if k in ci})
     state.startup["phases"] = dict(progress.times)
     state.extra_info.update(graph_pool_bytes=ci.get("graph_pool_bytes", 0), compile_cache=ci.get("compile_cache"),
                             effective_cudagraph_mode=ci.get("cudagraph_mode", "none"), backend_autotune=autotune_info,

@@ -139,6 +139,35 @@ def end_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cud
                            "ops or memory on this device may misbehave", type(exc).__name__, exc)
 
 
+def capture_with_warmups(keys: Iterable[Hashable], warmup_key: Callable[[Hashable], Hashable] | None,
+                         warm_up: Callable[[Hashable], Any], capture: Callable[[Hashable], Any],
+                         on_retry: Callable[[], Any], what: str) -> None:
+    """Capture every key in order (largest first), warming up only the first key of each warm-up class.
+
+    A warm-up runs the key once outside any capture (first-launch autotuning, lazy kernel builds and workspaces must
+    not happen inside one) and costs a whole forward. `warmup_key(key)` names the class of keys that run the same
+    kernels with the same specializations (None: every key its own class). A key captured without a warm-up of its
+    own that fails is warmed up and captured again (`on_retry()` counts it); a second failure raises. `capture` must
+    leave no partial state behind when it raises. `what` names the graphs in the log line of a retry."""
+    warmed: set[Hashable] = set()
+    for key in keys:
+        cls = warmup_key(key) if warmup_key is not None else ("key", key)
+        if cls not in warmed:
+            warm_up(key)
+            warmed.add(cls)
+            capture(key)
+            continue
+        try:
+            capture(key)
+        except Exception as exc:  # something of this key still initialises lazily: warm it up, try again
+            logger.info("hf_accel: %s capture of %s without its own warm-up failed (%s: %s); warming it up and "
+                        "capturing again", what, key, type(exc).__name__,
+                        str(exc).splitlines()[0][:200] if str(exc) else "")
+            on_retry()
+            warm_up(key)
+            capture(key)
+
+
 class CaptureMemory:
     """Measures what a capture phase costs on the device (allocated and reserved bytes)."""
 
@@ -187,9 +216,8 @@ class FullCUDAGraphRunner:
 
         `prepare_fn(key)`, if given, runs before each warm-up and before the capture, outside the graph: fill the
         persistent buffers with a dummy batch of that shape, set the forward context, `backend.prepare(meta)`.
-        `warmup_key(key)`, when given, names the class of keys that run the same kernels with the same
-        specializations: only the first key of a class gets the `num_warmups` warm-up runs; a key captured without
-        its own warm-up that fails is warmed up and captured again (a second failure raises).
+        `warmup_key(key)`: keys of one class share the `num_warmups` warm-up runs of its first
+        (`capture_with_warmups`); None warms up every key.
         """
         if not torch.cuda.is_available():
             raise RuntimeError("FullCUDAGraphRunner.capture needs CUDA")
@@ -200,23 +228,8 @@ class FullCUDAGraphRunner:
             return
         mem = CaptureMemory()
         t0 = time.perf_counter()
-        warmed: set[Hashable] = set()
-        for key in todo:
-            cls = warmup_key(key) if warmup_key is not None else ("key", key)
-            if cls not in warmed:
-                self._warm_up(key, run_fn, prepare_fn)
-                warmed.add(cls)
-                self._capture_one(key, run_fn, prepare_fn)
-                continue
-            try:
-                self._capture_one(key, run_fn, prepare_fn)
-            except Exception as exc:  # something of this key still initialises lazily: warm it up, try again
-                logger.info("hf_accel: full CUDA graph capture of %s without its own warm-up failed (%s: %s); "
-                            "warming it up and capturing again", key, type(exc).__name__,
-                            str(exc).splitlines()[0][:200] if str(exc) else "")
-                self.retries += 1
-                self._warm_up(key, run_fn, prepare_fn)
-                self._capture_one(key, run_fn, prepare_fn)
+        capture_with_warmups(todo, warmup_key, lambda k: self._warm_up(k, run_fn, prepare_fn),
+                             lambda k: self._capture_one(k, run_fn, prepare_fn), self._count_retry, "full CUDA graph")
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         allocated, reserved = mem.delta()
@@ -224,6 +237,9 @@ class FullCUDAGraphRunner:
         self.pool_bytes += reserved
         logger.info("captured %d full CUDA graph(s) in %.2f s, %d warm-ups (device memory: %+.1f MiB allocated, "
                     "%+.1f MiB reserved)", len(todo), elapsed, self.warmups, allocated / 2**20, reserved / 2**20)
+
+    def _count_retry(self) -> None:
+        self.retries += 1
 
     def _warm_up(self, key: Hashable, run_fn: Callable[[Hashable], Any],
                  prepare_fn: Callable[[Hashable], Any] | None) -> None:

@@ -41,7 +41,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import hf_accel.attention.op  # noqa: F401  (registers torch.ops.hf_accel.attention)
-from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, weak_ref_tree
+from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, capture_with_warmups, weak_ref_tree
 from hf_accel.compilation.linear_packing import merge_packed_linears
 from hf_accel.compilation.small_m_linear import route_int8_weight_only_linears, route_small_m_linears
 from hf_accel.compilation.trace_cache import TraceCache
@@ -716,12 +716,8 @@ class PiecewiseForward:
                 warmup_key: Callable[[int], Hashable] | None = None) -> None:
         """Capture the graphable pieces for every T in `sizes` (default: capture_sizes), largest first.
 
-        Each size is first run once outside any capture (a warm-up: Inductor's first-launch autotuning, lazy kernel
-        builds and workspaces must not happen inside a capture). `warmup_key(T)`, when given, names the class of
-        sizes that run the same kernels with the same specializations; only the first (largest) size of a class is
-        warmed up, the others are captured directly (a warm-up costs a whole forward, and most sizes share a class
-        with a larger one). Should a size captured without its own warm-up fail, it is warmed up and captured again;
-        a second failure raises.
+        `warmup_key(T)`: sizes of one class share the warm-up of its largest (cuda_graph.capture_with_warmups);
+        None warms up every size.
         """
         if not self.use_cudagraph:
             return
@@ -737,23 +733,8 @@ class PiecewiseForward:
             return
         mem = CaptureMemory()
         t0 = time.perf_counter()
-        warmed: set[Hashable] = set()
-        for size in todo:
-            key = warmup_key(size) if warmup_key is not None else ("size", size)
-            if key not in warmed:
-                self._warm_up(size, run_fn)
-                warmed.add(key)
-                self._capture_size(size, run_fn)
-                continue
-            try:
-                self._capture_size(size, run_fn)
-            except Exception as exc:  # something of this size still initialises lazily: warm it up, try again
-                logger.info("hf_accel: piecewise capture of T=%d without its own warm-up failed (%s: %s); warming "
-                            "it up and capturing again", size, type(exc).__name__, str(exc).splitlines()[0][:200]
-                            if str(exc) else "")
-                self.stats.capture_retries += 1
-                self._warm_up(size, run_fn)
-                self._capture_size(size, run_fn)
+        capture_with_warmups(todo, warmup_key, lambda t: self._warm_up(t, run_fn),
+                             lambda t: self._capture_size(t, run_fn), self._count_retry, "piecewise")
         elapsed = time.perf_counter() - t0
         allocated, reserved = mem.delta()
         self.stats.capture_seconds += elapsed
@@ -762,6 +743,9 @@ class PiecewiseForward:
         logger.info("captured piecewise CUDA graphs for %d sizes x %d pieces in %.2f s, %d warm-ups (device memory: "
                     "%+.1f MiB allocated, %+.1f MiB reserved)", len(todo), self.stats.num_graphable, elapsed,
                     self.stats.capture_warmups, allocated / 2**20, reserved / 2**20)
+
+    def _count_retry(self) -> None:
+        self.stats.capture_retries += 1
 
     def _warm_up(self, size: int, run_fn: Callable[[int], Any]) -> None:
         t0 = time.perf_counter()

@@ -61,9 +61,10 @@ def engine_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
                  use_cache=False).logits
 
 
-# integer buffers of quantized linears (GPTQ / AWQ `qweight`, `qzeros`: int32) mark a quantized model; int64 buffers
-# (position ids) and bool masks do not
-_QUANTIZED_BUFFER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32)
+# weights run by plain kernels; integer buffers of quantized linears (GPTQ / AWQ `qweight`, `qzeros`: int32) and
+# 8-bit float buffers mark a quantized model, int64 buffers (position ids) and bool masks do not
+_PLAIN_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_QUANTIZED_BUFFER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def capture_warmup_class(model: torch.nn.Module, *, small_m_gemm: bool,
@@ -73,16 +74,14 @@ def capture_warmup_class(model: torch.nn.Module, *, small_m_gemm: bool,
     Sizes that run the same kernels with the same specializations share one warm-up: the small-M linear's M bucket,
     and Triton's integer specializations (1, multiples of 16, others). Every size is its own class where that does
     not hold or is not safe: quantized weights (tensor subclasses, bitsandbytes parameters, 8-bit floats, integer
-    buffers such as GPTQ's) run
-    library kernels that may set state up per shape on first use; on a tensor-parallel rank, a size retried after
-    a failed capture (warmed up then) on one rank alone would run collectives its peers do not; and
-    HF_ACCEL_CAPTURE_WARMUP=every asks for it (an A/B, or a suspected capture bug).
+    buffers such as GPTQ's) run library kernels that may set state up per shape on first use; on a tensor-parallel
+    rank, a size retried after a failed capture (warmed up then) on one rank alone would run collectives its peers
+    do not; and HF_ACCEL_CAPTURE_WARMUP=every asks for it (an A/B, or a suspected capture bug).
     """
     from hf_accel.ops.linear import m_bucket
 
-    plain_weights = all(type(p) is torch.nn.Parameter and p.dtype in (torch.float16, torch.bfloat16, torch.float32)
-                        for p in model.parameters()) and not any(
-        b.dtype in _QUANTIZED_BUFFER_DTYPES or b.dtype.itemsize == 1 for b in model.buffers())  # GPTQ / AWQ qweights
+    plain_weights = (all(type(p) is torch.nn.Parameter and p.dtype in _PLAIN_WEIGHT_DTYPES for p in model.parameters())
+                     and not any(b.dtype in _QUANTIZED_BUFFER_DTYPES for b in model.buffers()))
     if not plain_weights or tensor_parallel or os.environ.get("HF_ACCEL_CAPTURE_WARMUP") == "every":
         return lambda t: ("size", t)
     return lambda t: (m_bucket(t) if small_m_gemm else None, t == 1, t % 16 == 0)
