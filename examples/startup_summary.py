@@ -16,9 +16,11 @@ def main(path: str) -> None:
         if not s:
             print(name, phase, "no figure:", rec.get("reasons"), (rec.get("stderr_tail") or "")[-600:])
             continue
+        build = ((rec.get("engine_info") or {}).get("small_m_gemm") or {}).get("build") or {}
         print(name, phase, f"total {rec.get('total_s', -1):.1f} s",
               {k: round(v, 2) for k, v in (s.get("phases") or {}).items()}, s.get("trace_source"),
-              {k: round(v, 2) for k, v in (s.get("capture_split") or {}).items()})
+              {k: round(v, 2) for k, v in (s.get("capture_split") or {}).items()},
+              "small-M build ahead:", {k: round(v, 2) if isinstance(v, float) else v for k, v in build.items()})
 
 
 if __name__ == "__main__":

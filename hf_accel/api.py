@@ -265,6 +265,10 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
         _restore(model, keep_methods=True)
     on_gpu_graphs = device.type == "cuda" and (cfg.compile or CUDAGraphMode(cfg.cudagraph_mode).value != "none")
     progress = StartupProgress(total_phases=6, enabled=on_gpu_graphs)  # a bar only where starts take long
+    if device.type == "cuda" and cfg.compile:
+        from hf_accel.compilation.piecewise import start_compile_workers
+
+        start_compile_workers()  # they start up while the backend is chosen and the forward traced
     try:
         if backend_cls is None:
             t_select = time.perf_counter()

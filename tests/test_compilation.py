@@ -596,6 +596,59 @@ def test_dispatch_full_and_piecewise():
         d.dispatch(0, True)
 
 
+def test_piecewise_sizes_beside_full_graphs_are_the_mixed_list():
+    """With full decode graphs, piecewise graphs serve steps holding a prefill chunk: the thinned list is captured;
+    without full graphs piecewise graphs serve decode too, so every capture size is kept."""
+    sizes, mixed = [1, 2, 4, 8, 16, 24, 32, 40], [1, 2, 4, 8, 16, 24, 40]
+    d = CUDAGraphDispatcher("full_and_piecewise", sizes, CUDAGraphSupport.UNIFORM_DECODE,
+                            full_capture_sizes=sizes, mixed_capture_sizes=mixed)
+    assert d.piecewise_sizes == mixed and d.full_sizes == sizes
+    assert (d.dispatch(32, True).mode, d.dispatch(32, True).num_tokens) == (RuntimeMode.FULL, 32)
+    assert (d.dispatch(32, False).mode, d.dispatch(32, False).num_tokens) == (RuntimeMode.PIECEWISE, 40)
+    assert (d.dispatch(41, False).mode, d.dispatch(41, False).num_tokens) == (RuntimeMode.NONE, 41)
+    no_full = CUDAGraphDispatcher("full_and_piecewise", sizes, CUDAGraphSupport.NEVER, mixed_capture_sizes=mixed)
+    assert no_full.piecewise_sizes == sizes
+    assert (no_full.dispatch(32, True).mode, no_full.dispatch(32, True).num_tokens) == (RuntimeMode.PIECEWISE, 32)
+    piecewise_only = CUDAGraphDispatcher("piecewise", sizes, CUDAGraphSupport.UNIFORM_DECODE,
+                                         mixed_capture_sizes=mixed)
+    assert piecewise_only.piecewise_sizes == sizes
+
+
+def test_thinned_capture_sizes_pad_a_mixed_step_by_at_most_an_eighth():
+    from hf_accel.config import MIXED_STEP_PAD, default_capture_sizes, thinned_capture_sizes
+
+    for max_num_seqs in (1, 3, 8, 64, 100, 256, 1024):
+        full = default_capture_sizes(max_num_seqs)
+        thin = thinned_capture_sizes(full)
+        assert set(thin) <= set(full) and thin[-1] == full[-1]
+        assert [s for s in full if s <= 16] == [s for s in thin if s <= 16]
+        for a, b in zip(thin, thin[1:]):
+            if a >= 16 and b != thin[-1]:
+                assert b >= a * (1 + MIXED_STEP_PAD)  # thinned ...
+            if a >= 16:  # ... but never by more than the original list's next step allows
+                assert b <= max(a * (1 + MIXED_STEP_PAD) + 8, a + 8)
+        for n in range(1, full[-1] + 1):  # every step that had a piecewise graph still has one
+            assert pad_to_capture_size(n, thin) is not None
+    assert len(thinned_capture_sizes(default_capture_sizes(256))) == 26  # of 67
+    assert thinned_capture_sizes([]) == []
+
+
+def test_piecewise_capture_sizes_config():
+    from hf_accel.config import AccelConfig, default_capture_sizes, thinned_capture_sizes
+
+    cuda = torch.device("cuda")
+    default = AccelConfig().resolve_for(cuda)
+    assert default.piecewise_capture_sizes == thinned_capture_sizes(default_capture_sizes(256))
+    explicit = AccelConfig(cudagraph_capture_sizes=[4, 1, 8, 8]).resolve_for(cuda)
+    assert explicit.cudagraph_capture_sizes == [1, 4, 8] and explicit.piecewise_capture_sizes is None  # not thinned
+    chosen = AccelConfig(piecewise_capture_sizes=[64, 8]).resolve_for(cuda)
+    assert chosen.piecewise_capture_sizes == [8, 64] and len(chosen.cudagraph_capture_sizes) == 67
+    with pytest.raises(ValueError, match="piecewise_capture_sizes"):
+        AccelConfig(piecewise_capture_sizes=[0, 8]).resolve_for(cuda)
+    with pytest.raises(ValueError, match="piecewise_capture_sizes"):
+        AccelConfig(piecewise_capture_sizes=[]).resolve_for(cuda)
+
+
 def test_dispatch_downgrades_once_with_a_reason(caplog):
     with caplog.at_level("WARNING", logger="hf_accel.compilation.dispatcher"):
         d = CUDAGraphDispatcher("full_and_piecewise", [1, 2, 4], CUDAGraphSupport.NEVER, backend_name="torch")

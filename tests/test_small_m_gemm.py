@@ -304,3 +304,29 @@ def test_int8_tuner_decides_and_the_op_follows(tmp_path):
                                    cache_dir=tmp_path)
     assert again["tuned"] == 0 and again["from_cache"] == len(shapes) * len(linear_op.M_BUCKETS)
     linear_op.clear_decisions()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("int8", [False, True])
+def test_candidates_built_ahead_are_the_kernels_the_tuner_runs(int8):
+    """`build_candidates` compiles, in a thread pool, exactly the specializations `_tune_one` then launches: after
+    it, timing every candidate of a shape and bucket adds nothing to the kernels' compile caches."""
+    from hf_accel.ops.triton_build import build_in_parallel
+
+    dev = torch.cuda.current_device()
+
+    def compiled() -> int:
+        return sum(len(kernel.device_caches[dev][0]) for kernel in (G._skinny_gemm_kernel, G._split_reduce_kernel))
+
+    todo = [(768, 1536, True, 1), (1536, 768, False, 16), (640, 1536, False, 64)]  # shapes no other test compiles
+    before = compiled()
+    report = linear_op.build_candidates(todo, torch.bfloat16, pdl.supported(DEVICE), int8, DEVICE)
+    assert report["workers"] >= 2 and report["kernels"] > 0, report
+    # what an earlier test compiled is found, not built again: counted in the report, not new in the caches
+    assert 0 < compiled() - before <= report["kernels"]
+    after_build = compiled()
+    for n, k, has_bias, bucket in todo:
+        linear_op._tune_one(n, k, has_bias, bucket, torch.bfloat16, DEVICE, pdl.supported(DEVICE), 8 << 20, int8)
+    assert compiled() == after_build  # nothing new was compiled on the critical path
+    assert build_in_parallel([], workers=4)["kernels"] == 0

@@ -185,6 +185,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     a.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default=None)
     a.add_argument("--cudagraph-capture-sizes", default=None, metavar="1,2,4,8", help="comma list of batch sizes")
+    a.add_argument("--piecewise-capture-sizes", default=None, metavar="1,2,4,8",
+                   help="comma list of piecewise graph sizes beside full decode graphs (default: the capture sizes "
+                        "thinned to 12.5 %% spacing); the old default for the A/B: 1,2,4,8,16,...,512 every 8")
     a.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     a.add_argument("--enforce-eager", action="store_true")
     a.add_argument("--block-size", type=int, default=None)

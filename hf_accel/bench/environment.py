@@ -94,6 +94,8 @@ def accel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["enable_prefix_caching"] = False
     switches = {name: getattr(args, name) for name in ("pdl", "small_m_gemm", "reuse_traced_graph")
                 if getattr(args, name) is not None}
+    if getattr(args, "piecewise_capture_sizes", None):
+        switches["piecewise_capture_sizes"] = [int(s) for s in args.piecewise_capture_sizes.split(",") if s.strip()]
     if switches:  # AccelConfig fields without a keyword of their own in accelerate_model
         from hf_accel.config import AccelConfig
 
@@ -113,6 +115,8 @@ def _accel_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--cudagraph-mode", args.cudagraph_mode]
     if args.cudagraph_capture_sizes:
         argv += ["--cudagraph-capture-sizes", args.cudagraph_capture_sizes]
+    if getattr(args, "piecewise_capture_sizes", None):
+        argv += ["--piecewise-capture-sizes", args.piecewise_capture_sizes]
     if args.compile is not None:
         argv.append("--compile" if args.compile else "--no-compile")
     if args.enforce_eager:

@@ -87,7 +87,11 @@ class CUDAGraphDispatcher:
 
     def __init__(self, mode: CUDAGraphMode | str, capture_sizes: Iterable[int], support: CUDAGraphSupport, *,
                  piecewise_available: bool = True, full_capture_sizes: Iterable[int] | None = None,
+                 mixed_capture_sizes: Iterable[int] | None = None,
                  backend_name: str = "the attention backend") -> None:
+        """`capture_sizes`: the token counts captured as piecewise graphs; `full_capture_sizes`: as full graphs
+        (default: the same); `mixed_capture_sizes`: the piecewise ones instead, when full graphs serve uniform decode
+        batches, so that piecewise graphs only meet steps holding a prefill chunk (None: `capture_sizes`)."""
         sizes = sorted({int(s) for s in capture_sizes})
         full_sizes = sorted({int(s) for s in full_capture_sizes}) if full_capture_sizes is not None else sizes
         self.requested_mode = CUDAGraphMode(mode)
@@ -98,8 +102,10 @@ class CUDAGraphDispatcher:
         if self.downgrade_reason is not None:
             logger.warning("cudagraph_mode %r downgraded to %r: %s (%s)", self.requested_mode.value, self.mode.value,
                            self.downgrade_reason, backend_name)
-        self.piecewise_sizes = sizes if self.mode.has_piecewise else []
         self.full_sizes = full_sizes if self.mode.has_full else []
+        if mixed_capture_sizes is not None and self.full_sizes:
+            sizes = sorted({int(s) for s in mixed_capture_sizes})
+        self.piecewise_sizes = sizes if self.mode.has_piecewise else []
         self.full_mixed = self.mode == CUDAGraphMode.FULL  # full graphs also for non-uniform batches
 
     @property

@@ -78,6 +78,26 @@ class CompileStats:
     pool_bytes_reserved: int = 0
 
 
+def start_compile_workers() -> bool:
+    """Start Inductor's pool of kernel-compile worker processes now, in the background; True if it was started.
+
+    Inductor builds (and, at a warm start, loads from its cache) the pieces' Triton kernels in worker processes that
+    it starts on first use, each importing torch: seconds at the first compiled piece. torch.compile's own backend
+    starts them as Dynamo begins; our pieces call `compile_fx` directly, so accelerate_model starts them as the
+    engine starts, and they come up while the attention backend is chosen and the trace is read or made. Nothing
+    happens where Inductor would not use them (one compile thread, `TORCH_WARM_POOL=0`, no triton)."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:
+        return False
+    try:
+        maybe_warm_pool()
+    except Exception as exc:  # the pool then starts on first use, as before
+        logger.debug("hf_accel: could not start Inductor's compile workers early: %s", exc)
+        return False
+    return True
+
+
 def inductor_settings(pdl: bool, eager_casts: bool = False) -> contextlib.AbstractContextManager:
     """Inductor config for the pieces, whatever the process set globally, so each switch is one flag here:
 

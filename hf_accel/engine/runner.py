@@ -311,7 +311,7 @@ class ModelRunner:
     def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
                            model_config, dtype: torch.dtype, *, pdl: bool = False,
                            small_m_gemm: bool = False, progress=None, tp=None,
-                           reuse_traced_graph: bool = False) -> dict:
+                           reuse_traced_graph: bool = False, mixed_capture_sizes: list[int] | None = None) -> dict:
         """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings.
 
         `pdl`: Inductor's kernels use programmatic dependent launch. `small_m_gemm`: linears go through
@@ -320,6 +320,7 @@ class ModelRunner:
         group (engine/tensor_parallel.py); a compile failure on one of its ranks ends the job instead of falling
         back on that rank alone. `reuse_traced_graph`: Dynamo's trace is stored in the compile cache and a later
         start of the same model reads it back instead of tracing (compilation/trace_cache.py).
+        `mixed_capture_sizes`: the piecewise graphs' sizes where full graphs serve decode (CUDAGraphDispatcher).
         """
         def phase(name: str, detail: str = "") -> None:
             if progress is not None:
@@ -336,10 +337,11 @@ class ModelRunner:
         info: dict = {"compile_s": 0.0, "capture_s": 0.0, "graph_pool_bytes": 0, "compile_cache": None}
         on_cuda = self.device.type == "cuda"
         sizes = [s for s in capture_sizes if s <= self.max_num_tokens]
+        mixed = [s for s in mixed_capture_sizes if s <= self.max_num_tokens] if mixed_capture_sizes else None
         self.dispatcher = CUDAGraphDispatcher(mode, sizes, self.backend.cudagraph_support,
                                               piecewise_available=compile,
                                               full_capture_sizes=[s for s in sizes if s <= self.max_num_seqs],
-                                              backend_name=self.backend.name)
+                                              mixed_capture_sizes=mixed, backend_name=self.backend.name)
         info["cudagraph_mode"] = self.dispatcher.mode.value
         pool = torch.cuda.graph_pool_handle() if on_cuda and self.dispatcher.mode.value != "none" else None
         if hasattr(self.backend, "set_cudagraph_batch_sizes"):

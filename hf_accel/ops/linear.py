@@ -220,7 +220,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     best_cfg, best_t = None, time_in_graph(baseline)
     base_t = best_t
     for cfg in _candidates(bucket, int8):
-        if cfg.split_k > 1 and k // (cfg.split_k * cfg.block_k) < 1:
+        if not _tunable(cfg, k):
             continue
         try:
             out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale)[:, :rows].float()
@@ -237,6 +237,33 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     if best_cfg is not None and best_t > base_t * (1.0 - MIN_GAIN[bucket]):
         best_cfg = None
     return best_cfg, base_t, best_t
+
+
+def _tunable(cfg, k: int) -> bool:
+    """Whether a candidate is timed for this K at all (a split-K tile needs at least one tile per split)."""
+    return cfg.split_k == 1 or k // (cfg.split_k * cfg.block_k) >= 1
+
+
+def build_candidates(todo: Iterable[tuple[int, int, bool, int]], dtype: torch.dtype, use_pdl: bool, int8: bool,
+                     device: torch.device) -> dict:
+    """Compile every kernel `_tune_one` will time for these (n, k, has_bias, bucket), side by side in a thread pool
+    (`ops.triton_build`): at a fresh start the builds, not the timings, are most of the tuning. A report."""
+    from hf_accel.ops.skinny_gemm import build_skinny_linear
+    from hf_accel.ops.triton_build import build_in_parallel
+
+    wdtype = torch.int8 if int8 else dtype
+    warmups = []
+    with torch.cuda.device(device):
+        for n, k, has_bias, bucket in todo:
+            configs = [c for c in _candidates(bucket, int8) if _tunable(c, k)]
+            if int8:
+                from hf_accel.ops.quantized_linear import default_config
+
+                configs.append(default_config(bucket, n, k, device))
+            for cfg in configs:
+                warmups.append(lambda n=n, k=k, b=has_bias, m=bucket, c=cfg: build_skinny_linear(
+                    m, n, k, dtype, wdtype, b, int8, c, use_pdl))
+        return build_in_parallel(warmups)
 
 
 def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, device: torch.device, *,
@@ -265,6 +292,11 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
     report: dict = {"tuned": 0, "from_cache": 0, "ours": 0, baseline: 0}
     try:
         with _lock:
+            todo = [(n, k, has_bias, bucket) for n, k, has_bias in shapes for bucket in M_BUCKETS
+                    if _key(device, key_dtype, n, k, has_bias, bucket) not in _decisions
+                    and _stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl) not in stored]
+            if todo:
+                report["build"] = build_candidates(todo, dtype, use_pdl, int8, device)
             for n, k, has_bias in shapes:
                 for bucket in M_BUCKETS:
                     key = _key(device, key_dtype, n, k, has_bias, bucket)

@@ -16,6 +16,7 @@ This module imports triton at the top; callers import it lazily.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,24 +124,52 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    split = config.split_k
-    k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
-    split = triton.cdiv(k, k_per_split)  # no empty split
+    split = _split(k, config)[1]
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (triton.cdiv(n, config.block_n), split)
-    has_bias = bias is not None
-    has_scale = scale is not None
-    _skinny_gemm_kernel[grid](
-        x2, weight, bias if has_bias else weight, scale if has_scale else weight, y, part, m, n, k, k_per_split,
-        x2.stride(0), weight.stride(0), y.stride(0),
+    _launch(x2, weight, bias, scale, y, part, m, n, k, (x2.stride(0), weight.stride(0), y.stride(0)), config,
+            use_pdl, warmup=False)
+    return y.view(*x.shape[:-1], n)
+
+
+def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype: torch.dtype, has_bias: bool,
+                        has_scale: bool, config: SkinnyConfig, use_pdl: bool = False) -> list:
+    """Compile (without running) the kernels `skinny_linear` launches for `m` rows of a contiguous `dtype` input
+    and a contiguous [n, k] weight: Triton's `warmup`, with dtypes standing in for the tensors (only their dtypes
+    and alignment enter a kernel's specialization). Returns what each `warmup` returned (under Triton's async
+    compile mode, futures), so `ops.triton_build.build_in_parallel` can build many configurations at once."""
+    split = _split(k, config)[1]
+    return _launch(dtype, weight_dtype, dtype if has_bias else None, dtype if has_scale else None, dtype,
+                   torch.float32 if split > 1 else dtype, m, n, k, (k, k, n), config, use_pdl, warmup=True)
+
+
+def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
+    """(K per split, splits) of a launch: `config.split_k` rounded to whole `block_k` tiles, never an empty split."""
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
+def _launch(x, weight, bias, scale, y, part, m: int, n: int, k: int, strides: tuple[int, int, int],
+            config: SkinnyConfig, use_pdl: bool, warmup: bool) -> list:
+    """Launch (or, with `warmup`, only compile) the GEMM and, when K is split, the reduction. The pointer arguments
+    are tensors, or dtypes when `warmup` (an absent bias or scale is None)."""
+    k_per_split, split = _split(k, config)
+    has_bias, has_scale = bias is not None, scale is not None
+    stride_xm, stride_wn, stride_ym = strides
+
+    def launcher(kernel, grid):
+        return functools.partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
+
+    built = [launcher(_skinny_gemm_kernel, (triton.cdiv(n, config.block_n), split))(
+        x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part, m, n, k, k_per_split,
+        stride_xm, stride_wn, stride_ym,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0,
         IS_SPLIT=split > 1, HAS_BIAS=has_bias and split == 1, HAS_SCALE=has_scale and split == 1, USE_PDL=use_pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(use_pdl),
-    )
+    )]
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
-        _split_reduce_kernel[(triton.cdiv(n, block), m)](
-            part, bias if has_bias else weight, scale if has_scale else weight, y, m, n, y.stride(0), SPLIT_K=split,
+        built.append(launcher(_split_reduce_kernel, (triton.cdiv(n, block), m))(
+            part, bias if has_bias else weight, scale if has_scale else weight, y, m, n, stride_ym, SPLIT_K=split,
             BLOCK=block, HAS_BIAS=has_bias, HAS_SCALE=has_scale, USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
-        )
-    return y.view(*x.shape[:-1], n)
+        ))
+    return built

@@ -1,0 +1,99 @@
+"""`hf_accel.ops.triton_build`: Triton kernel builds ahead of their first call, side by side in a thread pool.
+
+On CPU the pool is exercised with stand-in warm-ups (nothing here can compile for a GPU): they run under Triton's
+async compile mode, their results are resolved and counted, and a warm-up that fails is counted, never raised. The
+GPU test in `test_small_m_gemm.py` checks that the kernels built ahead are the very specializations the tuner runs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("triton")
+
+from hf_accel.ops import triton_build  # noqa: E402
+
+
+class _Future:
+    """What `JITFunction.warmup` returns under the async mode: a future kernel with `result(ignore_errors=...)`."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def result(self, ignore_errors: bool = False):
+        if isinstance(self.kernel, Exception):
+            if ignore_errors:
+                return None
+            raise self.kernel
+        return self.kernel
+
+
+class _Kernel:
+    def __init__(self, name: str):
+        self.src = None  # no launcher to build for a stand-in
+        self.name = name
+        self._run = None
+
+
+def test_warmups_run_under_the_async_mode_with_a_pool():
+    from triton.runtime._async_compile import active_mode
+
+    seen = []
+
+    def warmup(i):
+        mode = active_mode.get()
+        assert mode is not None  # builds submitted from here would go to the pool
+        seen.append(i)
+        return _Future(_Kernel(f"k{i}"))
+
+    report = triton_build.build_in_parallel([lambda i=i: warmup(i) for i in range(5)], workers=3)
+    assert seen == list(range(5))
+    assert report["kernels"] == 5 and report["failed"] == 0 and report["workers"] == 3
+    assert active_mode.get() is None  # left as it was found
+
+
+def test_submitted_builds_run_in_the_pool_threads():
+    """A build submitted the way Triton's `_do_compile` does runs on a pool thread, not the caller's."""
+    from triton.runtime._async_compile import active_mode
+
+    threads = []
+
+    def warmup(i):
+        mode = active_mode.get()
+        pool = mode.executor
+        future = pool.submit(lambda: threads.append(threading.current_thread().name) or _Kernel(str(i)))
+        return _Future(future.result())
+
+    report = triton_build.build_in_parallel([lambda i=i: warmup(i) for i in range(4)], workers=2)
+    assert report["kernels"] == 4
+    assert threads and all(name.startswith("hf_accel-triton-build") for name in threads)
+
+
+def test_failures_are_counted_not_raised_and_lists_are_flattened():
+    shared = _Kernel("shared")
+
+    def broken():
+        raise RuntimeError("no such specialization")
+
+    warmups = [
+        broken,
+        lambda: _Future(RuntimeError("ptxas failed")),
+        lambda: [_Future(_Kernel("gemm")), _Future(_Kernel("reduce"))],
+        lambda: _Future(shared),
+        lambda: _Future(shared),  # the same kernel twice (one specialization asked for twice) counts once
+        lambda: None,
+    ]
+    report = triton_build.build_in_parallel(warmups, workers=2)
+    assert report["failed"] == 3 and report["kernels"] == 3
+
+
+def test_one_worker_builds_nothing_ahead(monkeypatch):
+    called = []
+    report = triton_build.build_in_parallel([lambda: called.append(1)], workers=1)
+    assert report["workers"] == 0 and not called  # every kernel builds on its first call, as before
+    monkeypatch.setenv("HF_ACCEL_BUILD_THREADS", "3")
+    assert triton_build.default_workers() == 3
+    monkeypatch.delenv("HF_ACCEL_BUILD_THREADS")
+    assert 1 <= triton_build.default_workers() <= 16
