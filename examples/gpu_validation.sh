@@ -109,6 +109,16 @@ case "${1:-tests}" in
         --json "$OUT/startup-$sh.json" >"$OUT/startup-$sh.log" 2>&1
       python3 examples/startup_summary.py "$OUT/startup-$sh.json"
     done ;;
+  mixed-sizes-ab)  # issue 15: piecewise graphs at the thinned sizes (the default since 2026-12-02: 26 sizes) against
+    # every capture size (the old default: 67), qwen3-0.6b W1/W2/W3 in one lease, warm caches after the first run
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    old="1,2,4,$(seq -s, 8 8 512)"
+    for run in thinned all thinned; do
+      arg=(); [ "$run" = all ] && arg=(--piecewise-capture-sizes "$old")
+      timeout 130 hf-accel bench --workload w1,w2,w3 --shape "${2:-qwen3-0.6b}" --anchors none --no-progress \
+        "${arg[@]}" --json "$OUT/sizes-$run.json" >>"$OUT/sizes-$run.log" 2>&1
+      echo "== $run"; tail -n 9 "$OUT/sizes-$run.log" | cut -c1-160
+    done ;;
   capture-warmup-ab)  # issue 15: warm starts of the 8B alternating per-size capture warm-ups (HF_ACCEL_CAPTURE_WARMUP=
     # every) and one warm-up per size class (the default), after one fresh start filled the caches; same machine
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
