@@ -113,7 +113,7 @@ case "${1:-tests}" in
     # every capture size (the old default: 67), qwen3-0.6b W1/W2/W3 in one lease, warm caches after the first run
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
     old="1,2,4,$(seq -s, 8 8 512)"
-    for run in thinned all thinned; do
+    for run in thinned all; do
       arg=(); [ "$run" = all ] && arg=(--piecewise-capture-sizes "$old")
       timeout 130 hf-accel bench --workload w1,w2,w3 --shape "${2:-qwen3-0.6b}" --anchors none --no-progress \
         "${arg[@]}" --json "$OUT/sizes-$run.json" >>"$OUT/sizes-$run.log" 2>&1
