@@ -359,6 +359,29 @@ def test_autotune_times_the_reference_backend_only_when_nothing_else_ran(monkeyp
         assert "error" in timings["broken_stand_in"] and "score" in timings["torch"]
 
 
+def test_a_sole_contender_is_run_with_the_fewest_samples_not_the_budget(monkeypatch):
+    """One candidate besides the reference: nothing to choose between, so it runs (validation, the record) without a
+    time budget; two contenders share the budget as before."""
+    import hf_accel.attention.autotune as at
+
+    budgets: dict[str, float] = {}
+
+    def fake_time(cls, *args, budget_s, **kwargs):
+        budgets[cls.name] = budget_s
+        return {"decode_ms": 1.0, "prefill_ms": 1.0, "block_size": 16.0, "first_call_s": 0.1}
+
+    monkeypatch.setattr(at, "_time_candidate", fake_time)
+    chosen, timings = autotune_backends([_CompiledStandIn, TorchAttentionBackend], SPEC, CUDA, 16, time_budget_s=2.0)
+    assert chosen is _CompiledStandIn and budgets == {"compiled_stand_in": 0.0} and "skipped" in timings["torch"]
+    budgets.clear()
+
+    class _Other(TorchAttentionBackend):
+        name = "other_stand_in"
+
+    autotune_backends([_CompiledStandIn, _Other, TorchAttentionBackend], SPEC, CUDA, 16, time_budget_s=3.0)
+    assert budgets == {"compiled_stand_in": 1.0, "other_stand_in": 1.0}
+
+
 def test_synthetic_metadata_pads_like_the_runner():
     meta, num_blocks = synthetic_step_metadata([(5, 1), (20, 1)], 16, CPU, pad_rows_to=4)
     assert meta.num_seqs == 2 and meta.num_tokens == 2
