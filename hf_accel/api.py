@@ -265,10 +265,6 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
         _restore(model, keep_methods=True)
     on_gpu_graphs = device.type == "cuda" and (cfg.compile or CUDAGraphMode(cfg.cudagraph_mode).value != "none")
     progress = StartupProgress(total_phases=6, enabled=on_gpu_graphs)  # a bar only where starts take long
-    if device.type == "cuda" and cfg.compile:
-        from hf_accel.compilation.piecewise import start_compile_workers
-
-        start_compile_workers()  # they start up while the backend is chosen and the forward traced
     try:
         if backend_cls is None:
             t_select = time.perf_counter()
@@ -288,6 +284,12 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     except BaseException:
         progress.close()
         raise
+    if device.type == "cuda" and cfg.compile:
+        from hf_accel.compilation.piecewise import start_compile_workers
+
+        # after the backend timing (their start-up must not load the CPU it measures), before the KV cache and the
+        # trace, which they come up beside
+        start_compile_workers()
     original = model.config._attn_implementation
     if is_ours(original):  # a deep copy of an accelerated model: its stock implementation is in the name
         original = stock_implementation(original)

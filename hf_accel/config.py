@@ -102,12 +102,18 @@ class AccelConfig:
     # every time. Needs the compile cache (compile_cache_dir not "")
     reuse_traced_graph: bool = True
     extra: dict = field(default_factory=dict)
+    # set by resolve_for when it derived piecewise_capture_sizes from the default capture sizes: a later
+    # updated(cudagraph_capture_sizes=...) then derives them again instead of keeping a list of other sizes
+    _piecewise_sizes_derived: bool = field(default=False, repr=False, compare=False)
 
     def updated(self, **overrides) -> AccelConfig:
         known = {f.name for f in fields(self)}
         unknown = set(overrides) - known
         if unknown:
             raise TypeError(f"unknown accelerate_model option(s): {sorted(unknown)}")
+        if (self._piecewise_sizes_derived and "cudagraph_capture_sizes" in overrides
+                and "piecewise_capture_sizes" not in overrides):
+            overrides = {**overrides, "piecewise_capture_sizes": None, "_piecewise_sizes_derived": False}
         return replace(self, **overrides)
 
     def validate(self) -> None:
@@ -162,4 +168,5 @@ class AccelConfig:
             cfg.cudagraph_capture_sizes = default_capture_sizes(cfg.max_num_seqs)
             if cfg.piecewise_capture_sizes is None:
                 cfg.piecewise_capture_sizes = thinned_capture_sizes(cfg.cudagraph_capture_sizes)
+                cfg._piecewise_sizes_derived = True
         return cfg

@@ -491,3 +491,22 @@ def test_quantization_option_and_stored_weight_bytes() -> None:
     # int8 weights (1 byte instead of 4) plus per-row scales: at least 2.5 bytes saved per linear weight
     assert bench.weight_bytes(plain) - bench.weight_bytes(quant) >= 2.5 * linear - 4 * plain.lm_head.weight.numel()
     assert "torchao-int8-weight-only" in bench.QUANTIZATION_METHODS
+
+
+def test_resolved_config_of_switches_and_piecewise_sizes_is_recorded():
+    """The bench records the config accelerate_model resolves, also when an option lives only in AccelConfig
+    (`--piecewise-capture-sizes`, `--no-pdl`): such options travel as `config=` beside the keywords."""
+    import argparse
+
+    from hf_accel.bench.cli import add_arguments
+    from hf_accel.bench.environment import _accel_argv, accel_kwargs, resolved_accel_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--piecewise-capture-sizes", "8,1,64", "--no-pdl", "--max-num-seqs", "32"])
+    kwargs = accel_kwargs(args)
+    cfg = resolved_accel_config(kwargs, torch.device("cuda"))
+    assert "error" not in cfg, cfg
+    assert cfg["piecewise_capture_sizes"] == [1, 8, 64] and cfg["pdl"] is False and cfg["max_num_seqs"] == 32
+    argv = _accel_argv(args)
+    assert argv[argv.index("--piecewise-capture-sizes") + 1] == "8,1,64"

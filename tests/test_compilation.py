@@ -647,6 +647,12 @@ def test_piecewise_capture_sizes_config():
         AccelConfig(piecewise_capture_sizes=[0, 8]).resolve_for(cuda)
     with pytest.raises(ValueError, match="piecewise_capture_sizes"):
         AccelConfig(piecewise_capture_sizes=[]).resolve_for(cuda)
+    # a resolved config given other capture sizes derives its piecewise sizes again (not the old thinned list)
+    again = default.updated(cudagraph_capture_sizes=[1, 2, 1024, 2048]).resolve_for(cuda)
+    assert again.piecewise_capture_sizes is None and again.cudagraph_capture_sizes == [1, 2, 1024, 2048]
+    kept = chosen.updated(cudagraph_capture_sizes=[1, 2]).resolve_for(cuda)
+    assert kept.piecewise_capture_sizes == [8, 64]  # chosen by the user: kept
+    assert default.updated(max_num_seqs=4).piecewise_capture_sizes == default.piecewise_capture_sizes
 
 
 def test_dispatch_downgrades_once_with_a_reason(caplog):

@@ -16,6 +16,13 @@ pytest.importorskip("triton")
 from hf_accel.ops import triton_build  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _compiled_triton(monkeypatch):
+    """The builds ahead are for compiled Triton; other test modules may have switched this process to the
+    interpreter (tests/triton_mode.py), where nothing is built ahead."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 class _Future:
     """What `JITFunction.warmup` returns under the async mode: a future kernel with `result(ignore_errors=...)`."""
 
@@ -97,3 +104,61 @@ def test_one_worker_builds_nothing_ahead(monkeypatch):
     assert triton_build.default_workers() == 3
     monkeypatch.delenv("HF_ACCEL_BUILD_THREADS")
     assert 1 <= triton_build.default_workers() <= 16
+
+
+def test_nothing_is_built_ahead_in_the_interpreter_or_beside_another_async_mode(monkeypatch):
+    from triton.runtime._async_compile import AsyncCompileMode, active_mode
+
+    called = []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    report = triton_build.build_in_parallel([lambda: called.append(1)], workers=4)
+    assert report["workers"] == 0 and not called
+    monkeypatch.delenv("TRITON_INTERPRET")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as other, AsyncCompileMode(other):  # e.g. a caller's own async build
+        report = triton_build.build_in_parallel([lambda: called.append(1)], workers=4)
+        assert report["workers"] == 0 and not called  # every kernel then builds on its first call, as before
+        assert active_mode.get() is not None  # the caller's mode is left alone
+
+
+def test_an_interrupted_build_leaves_no_async_mode_behind(monkeypatch):
+    """A KeyboardInterrupt (Ctrl-C) while the async mode waits for the builds: triton 3.6 then leaves its flag set
+    (simulated here). The flag lives in a copied context, so later first calls of kernels in this thread compile as
+    usual instead of going to a shut-down pool."""
+    from triton.runtime import _async_compile
+    from triton.runtime._async_compile import active_mode
+
+    def interrupted_exit(self, *exc):  # triton 3.6: waits for the futures first, clears the flag after
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_async_compile.AsyncCompileMode, "__exit__", interrupted_exit)
+    with pytest.raises(KeyboardInterrupt):
+        triton_build.build_in_parallel([lambda: _Future(_Kernel("k"))], workers=2)
+    assert active_mode.get() is None
+
+
+def test_a_bad_thread_count_falls_back_to_the_cpus(monkeypatch, caplog):
+    monkeypatch.setenv("HF_ACCEL_BUILD_THREADS", "auto")
+    with caplog.at_level("WARNING"):
+        assert 1 <= triton_build.default_workers() <= 16
+    assert "HF_ACCEL_BUILD_THREADS" in caplog.text
+
+
+def test_launchers_are_built_once_per_argument_types():
+    class _Src:
+        def __init__(self, signature):
+            self.signature = signature
+
+    class _Meta:
+        tensordesc_meta = None
+
+    def kernel(signature):
+        k = _Kernel("k")
+        k.src, k.metadata = _Src(signature), _Meta()
+        return k
+
+    same = [kernel({"x": "*bf16", "n": "i32", "BLOCK": "constexpr"}),
+            kernel({"y": "*bf16", "m": "i32", "B": "constexpr"})]
+    other = kernel({"x": "*fp32", "n": "i32"})
+    assert len(triton_build._distinct_launchers([*same, other])) == 2

@@ -154,7 +154,9 @@ def resolved_accel_config(kwargs: dict[str, Any], device: torch.device) -> dict[
     try:
         from hf_accel.config import AccelConfig
 
-        cfg = AccelConfig(**kwargs).resolve_for(device)
+        rest = dict(kwargs)
+        base = rest.pop("config", None) or AccelConfig()  # accelerate_model's rule: its keywords win over config
+        cfg = base.updated(**rest).resolve_for(device)
         return _jsonable(dataclasses.asdict(cfg))
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}

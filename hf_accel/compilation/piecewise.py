@@ -83,8 +83,8 @@ def start_compile_workers() -> bool:
 
     Inductor builds (and, at a warm start, loads from its cache) the pieces' Triton kernels in worker processes that
     it starts on first use, each importing torch: seconds at the first compiled piece. torch.compile's own backend
-    starts them as Dynamo begins; our pieces call `compile_fx` directly, so accelerate_model starts them as the
-    engine starts, and they come up while the attention backend is chosen and the trace is read or made. Nothing
+    starts them as Dynamo begins; our pieces call `compile_fx` directly, so accelerate_model starts them once the
+    attention backend is chosen, and they come up while the KV cache is sized and the trace is read or made. Nothing
     happens where Inductor would not use them (one compile thread, `TORCH_WARM_POOL=0`, no triton)."""
     try:
         from torch._inductor.async_compile import maybe_warm_pool

@@ -338,6 +338,9 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         sizes = [s for s in capture_sizes if s <= self.max_num_tokens]
         mixed = [s for s in mixed_capture_sizes if s <= self.max_num_tokens] if mixed_capture_sizes else None
+        if mixed == []:
+            logger.warning("hf_accel: no piecewise_capture_sizes fit %d tokens per step; steps holding a prefill "
+                           "chunk run without CUDA graphs", self.max_num_tokens)
         self.dispatcher = CUDAGraphDispatcher(mode, sizes, self.backend.cudagraph_support,
                                               piecewise_available=compile,
                                               full_capture_sizes=[s for s in sizes if s <= self.max_num_seqs],

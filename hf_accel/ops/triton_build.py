@@ -19,6 +19,7 @@ always did, where its caller times it.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import time
@@ -29,10 +30,14 @@ logger = logging.getLogger(__name__)
 
 
 def default_workers() -> int:
-    """Threads for a build: the CPUs this process may use, at most 16 (`HF_ACCEL_BUILD_THREADS` overrides)."""
+    """Threads for a build: the CPUs this process may use, at most 16 (`HF_ACCEL_BUILD_THREADS` overrides; a value
+    that is not an integer is ignored with a warning)."""
     env = os.environ.get("HF_ACCEL_BUILD_THREADS")
     if env:
-        return max(1, int(env))
+        try:
+            return max(1, int(env))
+        except ValueError:
+            logger.warning("hf_accel: HF_ACCEL_BUILD_THREADS=%r is not an integer; using the CPU count", env)
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -43,34 +48,27 @@ def default_workers() -> int:
 def build_in_parallel(warmups: Iterable[Callable[[], object]], workers: int | None = None) -> dict:
     """Run each `warmup` (a call returning `JITFunction.warmup(...)`'s result, or a list of them) with the builds in
     a thread pool; returns {"kernels", "failed", "launchers", "workers", "seconds"} ("workers" 0: nothing was built
-    ahead, since the pool would have one thread or triton has no async mode)."""
+    ahead, since the pool would have one thread, triton has no async mode, or it could not be entered)."""
     t0 = time.perf_counter()
     warmups = list(warmups)
     workers = default_workers() if workers is None else workers
     report = {"kernels": 0, "failed": 0, "launchers": 0, "workers": 0, "seconds": 0.0}
-    if not warmups or workers < 2:
+    if not warmups or workers < 2 or os.environ.get("TRITON_INTERPRET") == "1":
         return report
     try:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:
         return report
-    report["workers"] = workers
-    futures: list = []
-    with ThreadPoolExecutor(workers, thread_name_prefix="hf_accel-triton-build") as pool:
-        try:
-            with AsyncCompileMode(pool, ignore_errors=True):
-                for warmup in warmups:
-                    try:
-                        built = warmup()
-                    except Exception as exc:  # the specialization itself failed: its real call will say why
-                        logger.debug("hf_accel: Triton build ahead failed: %s", exc)
-                        report["failed"] += 1
-                        continue
-                    futures.extend(built if isinstance(built, list) else [built])
-        except Exception as exc:  # the async mode of this triton does not work as expected: build on first call
-            logger.debug("hf_accel: Triton's async compile mode failed (%s); kernels build on first call", exc)
-            report["seconds"] = time.perf_counter() - t0
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="hf_accel-triton-build")
+    try:
+        # in a copy of this thread's context: the async mode's flag is a context variable, and triton 3.6 leaves it
+        # set when its exit is interrupted (Ctrl-C while it waits for the builds), which would send every later
+        # first call of a kernel in this thread to the shut-down pool
+        futures = contextvars.copy_context().run(_submit_all, AsyncCompileMode, pool, warmups, report)
+        if futures is None:
+            pool.shutdown(wait=False)
             return report
+        report["workers"] = workers
         kernels, seen = [], set()
         for future in futures:
             kernel = _resolved(future)
@@ -81,8 +79,37 @@ def build_in_parallel(warmups: Iterable[Callable[[], object]], workers: int | No
                 kernels.append(kernel)
         report["kernels"] = len(kernels)
         report["launchers"] = sum(pool.map(_build_launcher, _distinct_launchers(kernels)))
-    report["seconds"] = time.perf_counter() - t0
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)  # an interrupt does not wait for the queued builds
+        raise
+    finally:
+        report["seconds"] = time.perf_counter() - t0
+    pool.shutdown(wait=True)
     return report
+
+
+def _submit_all(mode_cls, pool: ThreadPoolExecutor, warmups: list, report: dict) -> list | None:
+    """Call every warm-up under the async compile mode (its exit waits for the builds); what they returned, or None
+    when the mode could not be used (another one active in this thread, or this triton's differs)."""
+    futures: list = []
+    try:
+        mode = mode_cls(pool, ignore_errors=True)
+        mode.__enter__()
+    except Exception as exc:
+        logger.debug("hf_accel: Triton's async compile mode is unavailable (%s); kernels build on first call", exc)
+        return None
+    try:
+        for warmup in warmups:
+            try:
+                built = warmup()
+            except Exception as exc:  # the specialization itself failed: its real call will say why
+                logger.debug("hf_accel: Triton build ahead failed: %s", exc)
+                report["failed"] += 1
+                continue
+            futures.extend(built if isinstance(built, list) else [built])
+    finally:
+        mode.__exit__(None, None, None)
+    return futures
 
 
 def _resolved(future):
@@ -99,13 +126,16 @@ def _resolved(future):
 
 
 def _distinct_launchers(kernels: list) -> list:
-    """One kernel per launcher signature (argument types and constants): kernels that share one share its module."""
+    """One kernel per launcher source: the C launcher depends on the argument types (and tensor descriptors), not
+    on the names or constexpr values, so most kernels share one; building each once keeps gcc runs few and avoids
+    several threads building the same module."""
     out, seen = [], set()
     for kernel in kernels:
         src = getattr(kernel, "src", None)
         if src is None or getattr(kernel, "_run", None) is not None:
             continue
-        key = repr((getattr(src, "signature", None), getattr(src, "constants", None)))
+        signature = getattr(src, "signature", None) or {}
+        key = repr((tuple(signature.values()), getattr(getattr(kernel, "metadata", None), "tensordesc_meta", None)))
         if key not in seen:
             seen.add(key)
             out.append(kernel)
