@@ -97,6 +97,84 @@ def test_int8_candidates_fit_their_bucket_and_the_op_follows_a_decision(monkeypa
         linear_op.clear_decisions()
 
 
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch (`kernel[grid](...)`) or build (`kernel.warmup(...)`)
+    with tensors reduced to their dtypes, which with the integers and keywords is what Triton specializes on."""
+
+    def __init__(self, calls: list, name: str):
+        self.calls, self.name = calls, name
+
+    def _record(self, grid, args, kwargs):
+        args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)
+        self.calls.append((self.name, grid, args, tuple(sorted(kwargs.items()))))
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._record(grid, args, kwargs)
+
+    def warmup(self, *args, grid, **kwargs):
+        return self._record(grid, args, kwargs)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("m", "split"), [(1, 1), (5, 2), (16, 4), (64, 8)])
+def test_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, bias, int8):
+    """`build_skinny_linear` (compile only, dtypes for tensors) asks Triton for exactly the kernels, grids and
+    specializations `skinny_linear` launches for a contiguous input of `m` rows: what the tuner builds ahead is what
+    it then times."""
+    n, k = 96, 320  # K not a multiple of every split: uneven splits and the EVEN_K specialization both occur
+    cfg = G.SkinnyConfig(16 if m <= 16 else 64, 32, 64, split, 4, 2)
+    real, built = [], []
+    monkeypatch.setattr(G, "_skinny_gemm_kernel", _LaunchRecorder(real, "gemm"))
+    monkeypatch.setattr(G, "_split_reduce_kernel", _LaunchRecorder(real, "reduce"))
+    x = torch.randn(m, k, dtype=torch.float16)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8) if int8 else torch.randn(n, k, dtype=torch.float16)
+    G.skinny_linear(x, w, torch.randn(n, dtype=torch.float16) if bias else None, cfg, use_pdl=False,
+                    scale=torch.rand(n, dtype=torch.float16) if int8 else None)
+    monkeypatch.setattr(G, "_skinny_gemm_kernel", _LaunchRecorder(built, "gemm"))
+    monkeypatch.setattr(G, "_split_reduce_kernel", _LaunchRecorder(built, "reduce"))
+    G.build_skinny_linear(m, n, k, torch.float16, w.dtype, bias, int8, cfg, use_pdl=False)
+    assert real and built == real
+    assert [c[0] for c in real] == (["gemm", "reduce"] if G._split(k, cfg)[1] > 1 else ["gemm"])
+
+
+def test_tuner_times_only_what_is_not_decided_and_builds_it_first(monkeypatch, tmp_path):
+    """The tuner's bookkeeping (timing and builds faked, no GPU here): decisions come from memory, then from the
+    stored file, and only the rest is built ahead (once, all together) and timed; counts add up either way."""
+    cuda = torch.device("cuda", 0)
+    built, timed = [], []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in GPU")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(linear_op, "build_candidates", lambda todo, *a: built.append(list(todo)) or {"kernels": 1})
+
+    def fake_tune(n, k, has_bias, bucket, *args):
+        timed.append((n, k, has_bias, bucket))
+        return (G.SkinnyConfig(16, 32, 64, 2) if bucket == 1 else None), 2e-6, 1e-6
+
+    monkeypatch.setattr(linear_op, "_tune_one", fake_tune)
+    linear_op.clear_decisions()
+    try:
+        first = linear_op.tune_linears([(64, 128, False)], torch.float16, cuda, use_pdl=False, cache_dir=tmp_path)
+        assert timed == built[0] == [(64, 128, False, b) for b in linear_op.M_BUCKETS]
+        assert (first["tuned"], first["from_cache"], first["ours"], first["cublas"]) == (3, 0, 1, 2)
+        linear_op.clear_decisions()  # a new process: the first shape from the file, the second one timed
+        timed.clear()
+        built.clear()
+        second = linear_op.tune_linears([(64, 128, False), (32, 64, True)], torch.float16, cuda, use_pdl=False,
+                                        cache_dir=tmp_path)
+        assert timed == built[0] == [(32, 64, True, b) for b in linear_op.M_BUCKETS]
+        assert (second["tuned"], second["from_cache"], second["ours"], second["cublas"]) == (3, 3, 2, 4)
+        timed.clear()
+        built.clear()
+        third = linear_op.tune_linears([(32, 64, True), (64, 128, False)], torch.float16, cuda, use_pdl=False)
+        assert not timed and not built and (third["tuned"], third["ours"], third["cublas"]) == (0, 2, 4)
+        assert linear_op.tuned_config(cuda, torch.float16, 64, 128, False, 1) == G.SkinnyConfig(16, 32, 64, 2)
+        assert linear_op.tuned_config(cuda, torch.float16, 64, 128, False, 40) is None
+    finally:
+        linear_op.clear_decisions()
+
+
 def test_kernel_keeps_leading_dims_and_strided_rows():
     x = torch.randn(1, 3, 2 * 64, device=DEVICE)[..., :64]  # rows with a stride of 128
     w = torch.randn(24, 64, device=DEVICE)

@@ -219,9 +219,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
         baseline = cycling(lambda w: F.linear(x, w, bias))
     best_cfg, best_t = None, time_in_graph(baseline)
     base_t = best_t
-    for cfg in _candidates(bucket, int8):
-        if not _tunable(cfg, k):
-            continue
+    for cfg in _candidates_for(bucket, k, int8):
         try:
             out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale)[:, :rows].float()
             err = (out - ref).abs().max().item()
@@ -239,15 +237,16 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     return best_cfg, base_t, best_t
 
 
-def _tunable(cfg, k: int) -> bool:
-    """Whether a candidate is timed for this K at all (a split-K tile needs at least one tile per split)."""
-    return cfg.split_k == 1 or k // (cfg.split_k * cfg.block_k) >= 1
+def _candidates_for(bucket: int, k: int, int8: bool) -> list:
+    """The candidates timed for this K (a split-K tile needs at least one whole tile per split)."""
+    return [c for c in _candidates(bucket, int8) if c.split_k == 1 or k // (c.split_k * c.block_k) >= 1]
 
 
 def build_candidates(todo: Iterable[tuple[int, int, bool, int]], dtype: torch.dtype, use_pdl: bool, int8: bool,
                      device: torch.device) -> dict:
     """Compile every kernel `_tune_one` will time for these (n, k, has_bias, bucket), side by side in a thread pool
     (`ops.triton_build`): at a fresh start the builds, not the timings, are most of the tuning. A report."""
+    from hf_accel.ops.quantized_linear import default_config
     from hf_accel.ops.skinny_gemm import build_skinny_linear
     from hf_accel.ops.triton_build import build_in_parallel
 
@@ -255,12 +254,9 @@ def build_candidates(todo: Iterable[tuple[int, int, bool, int]], dtype: torch.dt
     warmups = []
     with torch.cuda.device(device):
         for n, k, has_bias, bucket in todo:
-            configs = [c for c in _candidates(bucket, int8) if _tunable(c, k)]
-            if int8:
-                from hf_accel.ops.quantized_linear import default_config
-
-                configs.append(default_config(bucket, n, k, device))
-            for cfg in configs:
+            # int8: the tile rule is the baseline, timed beside the candidates
+            baseline = [default_config(bucket, n, k, device)] if int8 else []
+            for cfg in _candidates_for(bucket, k, int8) + baseline:
                 warmups.append(lambda n=n, k=k, b=has_bias, m=bucket, c=cfg: build_skinny_linear(
                     m, n, k, dtype, wdtype, b, int8, c, use_pdl))
         return build_in_parallel(warmups)
@@ -292,11 +288,8 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
     report: dict = {"tuned": 0, "from_cache": 0, "ours": 0, baseline: 0}
     try:
         with _lock:
-            todo = [(n, k, has_bias, bucket) for n, k, has_bias in shapes for bucket in M_BUCKETS
-                    if _key(device, key_dtype, n, k, has_bias, bucket) not in _decisions
-                    and _stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl) not in stored]
-            if todo:
-                report["build"] = build_candidates(todo, dtype, use_pdl, int8, device)
+            # decisions already made (this process, or stored by an earlier one), and what is left to time
+            pending = []
             for n, k, has_bias in shapes:
                 for bucket in M_BUCKETS:
                     key = _key(device, key_dtype, n, k, has_bias, bucket)
@@ -305,18 +298,23 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
                         cfg = _decisions[key]
                     elif skey in stored:
                         entry = stored[skey]
-                        cfg = SkinnyConfig(**entry) if isinstance(entry, dict) else None
+                        cfg = _decisions[key] = SkinnyConfig(**entry) if isinstance(entry, dict) else None
                         report["from_cache"] += 1
                     else:
-                        cfg, base_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl,
-                                                        scratch_bytes, int8)
-                        stored[skey] = asdict(cfg) if cfg is not None else None
-                        tuned += 1
-                        logger.debug("small-M GEMM %dx%d%s m<=%d: %s %.2f us, best %.2f us -> %s", n, k,
-                                     " int8" if int8 else "", bucket, baseline, base_t * 1e6, best_t * 1e6,
-                                     cfg or baseline)
-                    _decisions[key] = cfg
+                        pending.append((n, k, has_bias, bucket))
+                        continue
                     report["ours" if cfg is not None else baseline] += 1
+            if pending:
+                report["build"] = build_candidates(pending, dtype, use_pdl, int8, device)
+            for n, k, has_bias, bucket in pending:
+                cfg, base_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes, int8)
+                stored[_stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl)] = (
+                    asdict(cfg) if cfg is not None else None)
+                _decisions[_key(device, key_dtype, n, k, has_bias, bucket)] = cfg
+                tuned += 1
+                report["ours" if cfg is not None else baseline] += 1
+                logger.debug("small-M GEMM %dx%d%s m<=%d: %s %.2f us, best %.2f us -> %s", n, k,
+                             " int8" if int8 else "", bucket, baseline, base_t * 1e6, best_t * 1e6, cfg or baseline)
     finally:  # what was decided is kept even when a later shape fails, and the scratch memory goes back
         report["tuned"] = tuned
         if tuned and path is not None:

@@ -124,10 +124,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    split = _split(k, config)[1]
+    k_per_split, split = _split(k, config)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    _launch(x2, weight, bias, scale, y, part, m, n, k, (x2.stride(0), weight.stride(0), y.stride(0)), config,
-            use_pdl, warmup=False)
+    _launch(x2, weight, bias, scale, y, part, m, n, k, k_per_split, split,
+            (x2.stride(0), weight.stride(0), y.stride(0)), config, use_pdl, warmup=False)
     return y.view(*x.shape[:-1], n)
 
 
@@ -137,9 +137,10 @@ def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype
     and a contiguous [n, k] weight: Triton's `warmup`, with dtypes standing in for the tensors (only their dtypes
     and alignment enter a kernel's specialization). Returns what each `warmup` returned (under Triton's async
     compile mode, futures), so `ops.triton_build.build_in_parallel` can build many configurations at once."""
-    split = _split(k, config)[1]
+    k_per_split, split = _split(k, config)
     return _launch(dtype, weight_dtype, dtype if has_bias else None, dtype if has_scale else None, dtype,
-                   torch.float32 if split > 1 else dtype, m, n, k, (k, k, n), config, use_pdl, warmup=True)
+                   torch.float32 if split > 1 else dtype, m, n, k, k_per_split, split, (k, k, n), config, use_pdl,
+                   warmup=True)
 
 
 def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
@@ -148,18 +149,16 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
     return k_per_split, triton.cdiv(k, k_per_split)
 
 
-def _launch(x, weight, bias, scale, y, part, m: int, n: int, k: int, strides: tuple[int, int, int],
-            config: SkinnyConfig, use_pdl: bool, warmup: bool) -> list:
-    """Launch (or, with `warmup`, only compile) the GEMM and, when K is split, the reduction. The pointer arguments
-    are tensors, or dtypes when `warmup` (an absent bias or scale is None)."""
-    k_per_split, split = _split(k, config)
+def _launch(x, weight, bias, scale, y, part, m: int, n: int, k: int, k_per_split: int, split: int,
+            strides: tuple[int, int, int], config: SkinnyConfig, use_pdl: bool, warmup: bool) -> list:
+    """Launch (or, with `warmup`, only compile) the GEMM and, when K is split, the reduction; one code path for
+    both, so what is built ahead is what runs. The pointer arguments are tensors, or dtypes when `warmup` (an absent
+    bias or scale is None). Returns what each launch returned."""
     has_bias, has_scale = bias is not None, scale is not None
     stride_xm, stride_wn, stride_ym = strides
-
-    def launcher(kernel, grid):
-        return functools.partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
-
-    built = [launcher(_skinny_gemm_kernel, (triton.cdiv(n, config.block_n), split))(
+    grid = (triton.cdiv(n, config.block_n), split)
+    gemm = functools.partial(_skinny_gemm_kernel.warmup, grid=grid) if warmup else _skinny_gemm_kernel[grid]
+    built = [gemm(
         x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part, m, n, k, k_per_split,
         stride_xm, stride_wn, stride_ym,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0,
@@ -168,7 +167,9 @@ def _launch(x, weight, bias, scale, y, part, m: int, n: int, k: int, strides: tu
     )]
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
-        built.append(launcher(_split_reduce_kernel, (triton.cdiv(n, block), m))(
+        grid = (triton.cdiv(n, block), m)
+        reduce = functools.partial(_split_reduce_kernel.warmup, grid=grid) if warmup else _split_reduce_kernel[grid]
+        built.append(reduce(
             part, bias if has_bias else weight, scale if has_scale else weight, y, m, n, stride_ym, SPLIT_K=split,
             BLOCK=block, HAS_BIAS=has_bias, HAS_SCALE=has_scale, USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
         ))

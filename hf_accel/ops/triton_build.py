@@ -59,33 +59,37 @@ def build_in_parallel(warmups: Iterable[Callable[[], object]], workers: int | No
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:
         return report
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="hf_accel-triton-build")
     try:
-        # in a copy of this thread's context: the async mode's flag is a context variable, and triton 3.6 leaves it
-        # set when its exit is interrupted (Ctrl-C while it waits for the builds), which would send every later
-        # first call of a kernel in this thread to the shut-down pool
-        futures = contextvars.copy_context().run(_submit_all, AsyncCompileMode, pool, warmups, report)
-        if futures is None:
-            pool.shutdown(wait=False)
-            return report
-        report["workers"] = workers
-        kernels, seen = [], set()
-        for future in futures:
-            kernel = _resolved(future)
-            if kernel is None:
-                report["failed"] += 1
-            elif id(kernel) not in seen:
-                seen.add(id(kernel))
-                kernels.append(kernel)
-        report["kernels"] = len(kernels)
-        report["launchers"] = sum(pool.map(_build_launcher, _distinct_launchers(kernels)))
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)  # an interrupt does not wait for the queued builds
-        raise
+        with ThreadPoolExecutor(workers, thread_name_prefix="hf_accel-triton-build") as pool:
+            try:
+                # in a copy of this thread's context: the async mode's flag is a context variable, and triton 3.6
+                # leaves it set when its exit is interrupted (Ctrl-C while it waits for the builds), which would send
+                # every later first call of a kernel in this thread to the shut-down pool
+                futures = contextvars.copy_context().run(_submit_all, AsyncCompileMode, pool, warmups, report)
+                if futures is not None:
+                    report["workers"] = workers
+                    kernels = _distinct_kernels(futures, report)
+                    report["kernels"] = len(kernels)
+                    report["launchers"] = sum(pool.map(_build_launcher, _distinct_launchers(kernels)))
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)  # an interrupt waits for running builds only
+                raise
     finally:
         report["seconds"] = time.perf_counter() - t0
-    pool.shutdown(wait=True)
     return report
+
+
+def _distinct_kernels(futures: list, report: dict) -> list:
+    """The compiled kernels behind the warm-ups' results, each once (a failed one counted in `report`)."""
+    kernels, seen = [], set()
+    for future in futures:
+        kernel = _resolved(future)
+        if kernel is None:
+            report["failed"] += 1
+        elif id(kernel) not in seen:
+            seen.add(id(kernel))
+            kernels.append(kernel)
+    return kernels
 
 
 def _submit_all(mode_cls, pool: ThreadPoolExecutor, warmups: list, report: dict) -> list | None:
