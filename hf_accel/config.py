@@ -93,6 +93,9 @@ class AccelConfig:
     # GEMM for decode linears, used per weight shape and row count only where it beat cuBLAS at warm-up
     pdl: bool | None = None
     small_m_gemm: bool = True
+    # split-KV decode attention and split-K small-M GEMMs sum their partial results in the launch that made them
+    # (the last program to finish a group does it) instead of in a second kernel: one launch less per layer each
+    fused_split_reductions: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

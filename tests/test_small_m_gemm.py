@@ -115,13 +115,14 @@ class _LaunchRecorder:
         return self._record(grid, args, kwargs)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("m", "split"), [(1, 1), (5, 2), (16, 4), (64, 8)])
-def test_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, bias, int8):
+def test_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, bias, int8, fused):
     """`build_skinny_linear` (compile only, dtypes for tensors) asks Triton for exactly the kernels, grids and
-    specializations `skinny_linear` launches for a contiguous input of `m` rows: what the tuner builds ahead is what
-    it then times."""
+    specializations `skinny_linear` launches for a contiguous input of `m` rows, with the split-K reduction fused
+    (counters given) or not: what the tuner builds ahead is what it then times."""
     n, k = 96, 320  # K not a multiple of every split: uneven splits and the EVEN_K specialization both occur
     cfg = G.SkinnyConfig(16 if m <= 16 else 64, 32, 64, split, 4, 2)
     real, built = [], []
@@ -130,12 +131,39 @@ def test_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, bias, int
     x = torch.randn(m, k, dtype=torch.float16)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8) if int8 else torch.randn(n, k, dtype=torch.float16)
     G.skinny_linear(x, w, torch.randn(n, dtype=torch.float16) if bias else None, cfg, use_pdl=False,
-                    scale=torch.rand(n, dtype=torch.float16) if int8 else None)
+                    scale=torch.rand(n, dtype=torch.float16) if int8 else None,
+                    counters=torch.zeros(8, dtype=torch.int32) if fused else None)
     monkeypatch.setattr(G, "_skinny_gemm_kernel", _LaunchRecorder(built, "gemm"))
     monkeypatch.setattr(G, "_split_reduce_kernel", _LaunchRecorder(built, "reduce"))
-    G.build_skinny_linear(m, n, k, torch.float16, w.dtype, bias, int8, cfg, use_pdl=False)
+    G.build_skinny_linear(m, n, k, torch.float16, w.dtype, bias, int8, cfg, use_pdl=False, fused_splits=fused)
     assert real and built == real
-    assert [c[0] for c in real] == (["gemm", "reduce"] if G._split(k, cfg)[1] > 1 else ["gemm"])
+    split_k = G._split(k, cfg)[1]
+    assert [c[0] for c in real] == (["gemm", "reduce"] if split_k > 1 and not fused else ["gemm"])
+    assert dict(real[0][3])["FUSED_SPLITS"] == (split_k if fused and split_k > 1 else 0)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize(("m", "n", "split", "bias"), [(1, 40, 2, False), (3, 70, 4, True), (16, 33, 3, True)])
+def test_fused_split_reduction_gives_the_reduce_kernels_bits(m, n, split, bias, int8):
+    """Summing the split-K partials in the GEMM's last program (counters given) adds the same partials in the same
+    order as the reduce kernel: the same bits, scale and bias included; the counters are zeros after every call, so
+    call after call agrees; too few counters for the column tiles falls back to the reduce kernel."""
+    g = torch.Generator().manual_seed(m * 100 + n)
+    dtype, k = torch.float16, 200
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE) if int8
+         else torch.randn(n, k, generator=g).to(DEVICE, dtype))
+    s = (torch.rand(n, generator=g) * 0.02 + 0.001).to(DEVICE, dtype) if int8 else None
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    cfg = G.SkinnyConfig(16, 16, 32, split, 4, 2)
+    want = G.skinny_linear(x, w, b, cfg, scale=s)
+    counters = torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=DEVICE)
+    for _ in range(3):
+        assert torch.equal(G.skinny_linear(x, w, b, cfg, scale=s, counters=counters), want)
+        assert not counters.any(), "every counter must be back at zero after the launch"
+    few = torch.full((triton.cdiv(n, 16) - 1,), 5, dtype=torch.int32, device=DEVICE)
+    assert torch.equal(G.skinny_linear(x, w, b, cfg, scale=s, counters=few), want)
+    assert (few == 5).all(), "too few counters: the reduce kernel runs and the counters are not touched"
 
 
 def test_tuner_times_only_what_is_not_decided_and_builds_it_first(monkeypatch, tmp_path):

@@ -128,13 +128,21 @@ def reference(step: Step, scale: float, window: int, softcap: float) -> torch.Te
 
 
 def run_triton(step: Step, be: TritonAttentionBackend, scale: float, window: int, softcap: float,
-               meta: StepMetadata | None = None) -> torch.Tensor:
+               meta: StepMetadata | None = None, *, separate: bool = False,
+               caches: list | None = None) -> torch.Tensor:
+    """The layer as the attention op runs it (`write_kv_and_forward`), or `separate`ly: `write_kv`, then `forward`.
+    Every row is handed over, padded ones included: their slot -1 must be skipped. `caches` receives (k, v)."""
     meta = meta or step.meta
     kc, vc = step.k_cache.clone(), step.v_cache.clone()
-    be.write_kv(step.key, step.value, kc, vc, meta)  # all padded rows: slot -1 must skip them
     be.prepare(meta)
     out = torch.full_like(step.query, float("nan"))
-    be.forward(step.query, kc, vc, meta, out, scale, window, softcap)
+    if separate:
+        be.write_kv(step.key, step.value, kc, vc, meta)
+        be.forward(step.query, kc, vc, meta, out, scale, window, softcap)
+    else:
+        be.write_kv_and_forward(step.query, step.key, step.value, kc, vc, meta, out, scale, window, softcap)
+    if caches is not None:
+        caches += [kc, vc]
     return out
 
 
@@ -275,6 +283,56 @@ def test_split_kv_decode_graph_padded(pad_tokens):
     check(step, make_backend(step, num_kv_splits=4, decode_block_n=16))
 
 
+@pytest.mark.parametrize("window", [0, 9])
+@pytest.mark.parametrize("pad_seqs", [0, 2])
+def test_split_kv_decode_fused_merge_equals_merge_kernel(window, pad_seqs):
+    """The merge inside the split kernel (the last split of each sequence and KV head merges) gives the merge
+    kernel's bits, also when most splits get no keys (context 1 and 12 against 8 splits of 16-key tiles) and on
+    graph-padded rows (zeros); its ticket counters are zeros again after every launch, so launch after launch agree."""
+    step = make_step([1] * 4, [0, 11, 70, 129], pad_seqs=pad_seqs, pad_tokens=pad_seqs, seed=21)
+    fused = make_backend(step, num_kv_splits=8, decode_block_n=16)
+    plain = make_backend(step, num_kv_splits=8, decode_block_n=16, fused_merge=False)
+    scale = step.query.shape[-1] ** -0.5
+    want_caches, got_caches = [], []
+    want = run_triton(step, plain, scale, window, 0.0, caches=want_caches)
+    for _ in range(3):
+        got_caches.clear()
+        got = run_triton(step, fused, scale, window, 0.0, caches=got_caches)
+        assert torch.equal(got, want)
+        assert not fused._merge_counters.any(), "every counter must be back at zero after the launch"
+        # the fused launch wrote the new K/V itself: the caches equal the KV write kernel's, NaN (unwritten) included
+        for g, w in zip(got_caches, want_caches, strict=True):
+            assert torch.equal(g.nan_to_num(123.0), w.nan_to_num(123.0))
+    assert torch.equal(run_triton(step, fused, scale, window, 0.0, separate=True), want)
+    check(step, fused, window=window)
+
+
+def test_split_kv_decode_fused_kv_write_skips_null_slots():
+    """A decode row whose slot is -1 (a token that must not be cached) is not written by the fused launch either:
+    its cache row keeps what was there, as with the KV write kernel."""
+    step = make_step([1] * 3, [30, 5, 64], seed=23)
+    step.meta.slot_mapping[1] = -1
+    fused = make_backend(step, num_kv_splits=4, decode_block_n=16)
+    plain = make_backend(step, num_kv_splits=4, decode_block_n=16, fused_merge=False)
+    scale = step.query.shape[-1] ** -0.5
+    want_caches, got_caches = [], []
+    want = run_triton(step, plain, scale, 0, 0.0, caches=want_caches)
+    got = run_triton(step, fused, scale, 0, 0.0, caches=got_caches)
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    for g, w in zip(got_caches, want_caches, strict=True):
+        assert torch.equal(g.nan_to_num(123.0), w.nan_to_num(123.0))
+
+
+def test_split_kv_decode_fused_merge_only_where_rows_are_sequences():
+    """Rows that belong to no sequence (more query rows than sequences, as a piecewise-padded step has) need the
+    merge kernel, which zeroes them: the fused path must not run there."""
+    step = make_step([1] * 3, [20, 3, 77], pad_seqs=1, pad_tokens=4, seed=22)
+    be = make_backend(step, num_kv_splits=4, decode_block_n=16)
+    be._merge_counters.fill_(7)  # a fused launch would read these and merge nothing, leaving NaN rows
+    check(step, be)
+    assert (be._merge_counters == 7).all()
+
+
 def test_split_kv_decode_auto_choice_on_small_batch():
     step = make_step([1, 1], [40, 90], seed=15)
     be = make_backend(step, decode_block_n=16)
@@ -398,7 +456,7 @@ def test_gpu_window_softcap_bf16(window, softcap):
 
 
 def _graph_replay(step_a: Step, step_b: Step, be: TritonAttentionBackend) -> torch.Tensor:
-    """Capture write_kv + forward on step A's buffers, load step B into the same buffers, replay; B's output."""
+    """Capture the layer (write_kv_and_forward) on step A's buffers, load step B into them, replay; B's output."""
     meta = step_a.meta
     bufs = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if isinstance(getattr(meta, f.name),
                                                                                        torch.Tensor)}
@@ -408,8 +466,7 @@ def _graph_replay(step_a: Step, step_b: Step, be: TritonAttentionBackend) -> tor
     scale = q.shape[-1] ** -0.5
 
     def body():
-        be.write_kv(k, v, kc, vc, meta)
-        be.forward(q, kc, vc, meta, out, scale, 0, 0.0)
+        be.write_kv_and_forward(q, k, v, kc, vc, meta, out, scale, 0, 0.0)
 
     be.prepare(meta)
     stream = torch.cuda.Stream()

@@ -184,6 +184,9 @@ class AttentionBackend:
         self.max_blocks_per_seq = max_blocks_per_seq
         # launch our own kernels with programmatic dependent launch (hf_accel.ops.pdl); the engine sets it
         self.use_pdl = False
+        # kernels that split work reduce it in the same launch where they can (AccelConfig.fused_split_reductions;
+        # the engine sets it)
+        self.fused_split_reductions = True
 
     def prepare(self, meta: StepMetadata) -> None:
         """Once per step, before the forward (and outside any CUDA graph capture): build backend state."""
@@ -203,3 +206,11 @@ class AttentionBackend:
         `sliding_window <= 0` means no window; `softcap <= 0` means no softcapping.
         """
         raise NotImplementedError
+
+    def write_kv_and_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, output: torch.Tensor,
+                             scale: float, sliding_window: int, softcap: float) -> None:
+        """One layer of the step, what the attention op runs: `write_kv`, then `forward`. A backend whose kernels
+        can write the new K/V themselves overrides this (the Triton backend's fused decode launch)."""
+        self.write_kv(key, value, k_cache, v_cache, meta)
+        self.forward(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap)

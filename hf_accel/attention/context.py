@@ -27,6 +27,9 @@ class ForwardContext:
     metadata: StepMetadata
     backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+    # int32 zeros the step's split-K GEMMs take tickets from to reduce in one launch (ops/skinny_gemm.py); one
+    # buffer per runner, used by one step at a time on one stream, so no two launches share a counter at once
+    split_k_counters: torch.Tensor | None = None
 
 
 class _ThreadContext(threading.local):
@@ -56,6 +59,12 @@ def get_forward_context() -> ForwardContext:
             "dispatches plain forwards to the stock attention implementation)"
         )
     return ctx
+
+
+def split_k_counters() -> torch.Tensor | None:
+    """This thread's step's split-K ticket counters (`ForwardContext.split_k_counters`); None outside a step."""
+    ctx = _local.current
+    return ctx.split_k_counters if ctx is not None else None
 
 
 @contextlib.contextmanager

@@ -65,7 +65,8 @@ def register_implementation(stock: str) -> str:
 @torch.library.custom_op("hf_accel::attention", mutates_args=("output",))
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_idx: int,
               scale: float, sliding_window: int, softcap: float) -> None:
-    """query/output `[T, H, D]`, key/value `[T, Hkv, D]`; only the first `metadata.num_tokens` rows are real."""
+    """query/output `[T, H, D]` (contiguous), key/value `[T, Hkv, D]` (contiguous in D; rows and heads may be
+    strided); only the first `metadata.num_tokens` rows are real."""
     ctx = get_forward_context()
     meta = ctx.metadata
     k_cache, v_cache = ctx.kv_caches[layer_idx]
@@ -74,13 +75,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, outpu
                          f"was sized for {k_cache.shape[2]} (the config's num_key_value_heads); this model's "
                          "attention does not match its config, so hf_accel cannot run it")
     # all rows, padded ones included: their slot is -1 (skipped), and no token count is frozen into a CUDA graph
-    ctx.backend.write_kv(key, value, k_cache, v_cache, meta)
-    ctx.backend.forward(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap)
+    ctx.backend.write_kv_and_forward(query, key, value, k_cache, v_cache, meta, output, scale, sliding_window,
+                                     softcap)
 
 
 @attention.register_fake
 def _(query, key, value, output, layer_idx, scale, sliding_window, softcap) -> None:
     return None
+
+
+def _dense_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` `[T, Hkv, D]` itself when its last dim is contiguous (every backend's KV write takes row and head
+    strides), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _stock_attention_function(module: torch.nn.Module):
@@ -127,8 +134,10 @@ def hf_accel_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))  # which add nothing to the output's columns
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    # keys and values go to the KV write as they are when their head dim is dense: values are usually a strided view
+    # of the fused q/k/v projection's output, and a copy of them was a kernel per layer
     torch.ops.hf_accel.attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), out, int(module.layer_idx), scale,
+        q.contiguous(), _dense_rows(k), _dense_rows(v), out, int(module.layer_idx), scale,
         int(sliding_window or 0), float(softcap or 0.0),
     )
     if v_dim < q.shape[-1]:

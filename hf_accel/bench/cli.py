@@ -200,6 +200,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="programmatic dependent launch (default: on where supported); --no-pdl for the A/B")
     a.add_argument("--small-m-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="the tuned small-M GEMM for decode linears (default: on); --no-small-m-gemm for the A/B")
+    a.add_argument("--fused-split-reductions", action=argparse.BooleanOptionalAction, default=None,
+                   help="split-KV attention and split-K GEMMs reduce in the same launch (default: on); "
+                        "--no-fused-split-reductions for the A/B")
     a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="read the traced forward back from the compile cache (default: on); "
                         "--no-reuse-traced-graph traces every start")

@@ -92,8 +92,7 @@ def accel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[name] = getattr(args, name)
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
-    switches = {name: getattr(args, name) for name in ("pdl", "small_m_gemm", "reuse_traced_graph")
-                if getattr(args, name) is not None}
+    switches = {name: getattr(args, name) for name in _SWITCHES if getattr(args, name) is not None}
     if getattr(args, "piecewise_capture_sizes", None):
         switches["piecewise_capture_sizes"] = [int(s) for s in args.piecewise_capture_sizes.split(",") if s.strip()]
     if switches:  # AccelConfig fields without a keyword of their own in accelerate_model
@@ -101,6 +100,10 @@ def accel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
         kw["config"] = AccelConfig(**switches)
     return kw
+
+
+# AccelConfig switches with a --flag / --no-flag option of the same name
+_SWITCHES = ("pdl", "small_m_gemm", "fused_split_reductions", "reuse_traced_graph")
 
 
 def _accel_argv(args: argparse.Namespace) -> list[str]:
@@ -126,7 +129,7 @@ def _accel_argv(args: argparse.Namespace) -> list[str]:
             argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
-    for name in ("pdl", "small_m_gemm", "reuse_traced_graph"):
+    for name in _SWITCHES:
         if getattr(args, name) is not None:
             flag = name.replace("_", "-")
             argv.append(f"--{flag}" if getattr(args, name) else f"--no-{flag}")

@@ -138,7 +138,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, self.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.backend, self.kv_caches, self.block_size, cfg.max_num_seqs,
-                                  self.max_num_tokens, self.max_blocks_per_seq, self.shape.max_model_len)
+                                  self.max_num_tokens, self.max_blocks_per_seq, self.shape.max_model_len,
+                                  fused_split_reductions=cfg.fused_split_reductions)
         self.sampler = Sampler()
         self.stats.timings["kv_cache_s"] = time.perf_counter() - t0
         self.compile_info: dict = {}
@@ -147,6 +148,7 @@ class LLMEngine:
             logger.info("hf_accel: pdl=True but programmatic dependent launch needs CUDA sm90+ and a triton that "
                         "exposes it; running without")
         self.backend.use_pdl = self.use_pdl
+        self.backend.fused_split_reductions = cfg.fused_split_reductions
         if cfg.compile or cfg.cudagraph_mode.value != "none":
             try:
                 self.compile_info = self.runner.enable_compilation(

@@ -87,10 +87,16 @@ def capture_warmup_class(model: torch.nn.Module, *, small_m_gemm: bool,
     return lambda t: (m_bucket(t) if small_m_gemm else None, t == 1, t % 16 == 0)
 
 
+SPLIT_K_COUNTERS = 1 << 15
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, max_num_seqs: int,
-                 max_num_tokens: int, max_blocks_per_seq: int, max_model_len: int | None = None) -> None:
+                 max_num_tokens: int, max_blocks_per_seq: int, max_model_len: int | None = None,
+                 fused_split_reductions: bool = True) -> None:
+        """`fused_split_reductions`: the step's split-K small-M GEMMs sum their partials in one launch, taking
+        tickets from `split_k_counters` (`ForwardContext.split_k_counters`; `AccelConfig.fused_split_reductions`)."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -116,6 +122,10 @@ class ModelRunner:
         self.compile_cache = None  # CompileCacheInfo: restore() puts TORCHINDUCTOR_CACHE_DIR back through it
         self.decode_logits_indices = torch.arange(max_num_tokens, dtype=i64, device=dev)  # FULL graphs read this
         self.inputs_ready: torch.cuda.Event | None = None  # recorded once a step's inputs are on the device
+        # one counter per column tile of the widest split-K launch (a 262k vocabulary in 16-column tiles); a launch
+        # with more tiles reduces in a second kernel
+        self.split_k_counters = (torch.zeros(SPLIT_K_COUNTERS, dtype=i32, device=dev)
+                                 if fused_split_reductions and dev.type == "cuda" else None)
 
     # -- packing -----------------------------------------------------------------------------------------------
     def pack(self, step: ScheduledStep) -> StepInputs:
@@ -260,7 +270,8 @@ class ModelRunner:
         return self.forward_2d(input_ids[None], positions[None], logits_indices)[0]
 
     def context(self, meta: StepMetadata) -> ForwardContext:
-        return ForwardContext(metadata=meta, backend=self.backend, kv_caches=self.kv_caches)
+        return ForwardContext(metadata=meta, backend=self.backend, kv_caches=self.kv_caches,
+                              split_k_counters=self.split_k_counters)
 
     def forward_2d(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    logits_indices: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,12 @@ launch. cuBLAS picks tiles built for large M there, reaching a third to a half o
 an H200 for these shapes. This kernel gives each program a `[BLOCK_N, K / SPLIT_K]` slice of W: enough programs to
 fill every SM (splitting K when N alone is too narrow), each one streaming its rows of W with the few activation rows
 beside it, products on the tensor cores (`tl.dot` with M padded to 16). With split-K, each split writes a float32
-partial and a second kernel sums them in a fixed order (deterministic), adds the bias and casts.
+partial; they are summed in a fixed order (deterministic), the bias added and the result cast either by a second
+kernel or, given `counters` (an int32 buffer of zeros with one entry per column tile, owned by the caller), inside the
+same launch: each split takes a ticket from its column tile's counter after storing its partial, and the one that
+draws the last ticket sums the tile's partials and sets the counter back to zero. Both ways add the same partials in
+the same order, so they give the same bits; the fused one saves a launch per split-K linear (a decode step at
+batch 1 has one or two per layer).
 
 Launched with PDL where supported (see `hf_accel.ops.pdl`): it waits for its predecessor before reading `x` and
 before any store, and lets its successor launch once its own loop is done.
@@ -40,11 +45,13 @@ class SkinnyConfig:
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, M, N, K, K_PER_SPLIT,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr, M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSED_SPLITS: tl.constexpr,
 ):
+    """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,16 +79,35 @@ def _skinny_gemm_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     mask = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     if not IS_SPLIT:
-        if HAS_SCALE:  # per-output-row dequantization scale of an int8 weight
-            acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        _store_output(acc, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS, HAS_SCALE)
     else:
         p_ptrs = part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
         tl.store(p_ptrs, acc, mask=mask)
+        if FUSED_SPLITS > 0:
+            # every thread's partial is stored before one thread takes the ticket (release); the last split's
+            # ticket (acquire) then sees all of them. Its loads bypass L1 (.cg), which holds nothing stale of them
+            tl.debug_barrier()
+            counter = counters_ptr + pid_n
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == FUSED_SPLITS - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(FUSED_SPLITS):  # fixed order, as the reduce kernel
+                    total += tl.load(part_ptr + (s * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :],
+                                     mask=mask, other=0.0, cache_modifier=".cg")
+                _store_output(total, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS, HAS_SCALE)
+
+
+@triton.jit
+def _store_output(acc, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """The epilogue: an int8 weight's per-output-row scale, then the bias, then the cast to the output dtype."""
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -106,11 +132,13 @@ def _split_reduce_kernel(part_ptr, b_ptr, s_ptr, y_ptr, M, N, stride_ym, SPLIT_K
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
                   use_pdl: bool = False, out: torch.Tensor | None = None,
-                  scale: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x` of at most `config.block_m` rows (leading dims flattened).
 
     `scale` (one value per output row, contiguous): `weight` is int8 and the product is `(x @ weight^T) * scale`,
-    accumulated in float32 and scaled once before the bias and the cast (int8 weight-only quantization)."""
+    accumulated in float32 and scaled once before the bias and the cast (int8 weight-only quantization).
+    `counters` (int32 zeros on x's device, left as zeros): a split-K launch sums its partials in the same launch
+    when there is a counter per column tile (module docstring); None, or too few: the reduce kernel does."""
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -126,21 +154,25 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return y.view(*x.shape[:-1], n)
     k_per_split, split = _split(k, config)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    _launch(x2, weight, bias, scale, y, part, m, n, k, k_per_split, split,
+    if counters is not None and counters.numel() < triton.cdiv(n, config.block_n):
+        counters = None
+    _launch(x2, weight, bias, scale, y, part, counters, m, n, k, k_per_split, split,
             (x2.stride(0), weight.stride(0), y.stride(0)), config, use_pdl, warmup=False)
     return y.view(*x.shape[:-1], n)
 
 
 def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype: torch.dtype, has_bias: bool,
-                        has_scale: bool, config: SkinnyConfig, use_pdl: bool = False) -> list:
+                        has_scale: bool, config: SkinnyConfig, use_pdl: bool = False,
+                        fused_splits: bool = True) -> list:
     """Compile (without running) the kernels `skinny_linear` launches for `m` rows of a contiguous `dtype` input
-    and a contiguous [n, k] weight: Triton's `warmup`, with dtypes standing in for the tensors (only their dtypes
-    and alignment enter a kernel's specialization). Returns what each `warmup` returned (under Triton's async
-    compile mode, futures), so `ops.triton_build.build_in_parallel` can build many configurations at once."""
+    and a contiguous [n, k] weight (`fused_splits`: given counters): Triton's `warmup`, with dtypes standing in for
+    the tensors (only their dtypes and alignment enter a kernel's specialization). Returns what each `warmup`
+    returned (under Triton's async compile mode, futures), so `ops.triton_build.build_in_parallel` can build many
+    configurations at once."""
     k_per_split, split = _split(k, config)
     return _launch(dtype, weight_dtype, dtype if has_bias else None, dtype if has_scale else None, dtype,
-                   torch.float32 if split > 1 else dtype, m, n, k, k_per_split, split, (k, k, n), config, use_pdl,
-                   warmup=True)
+                   torch.float32 if split > 1 else dtype, torch.int32 if fused_splits else None, m, n, k,
+                   k_per_split, split, (k, k, n), config, use_pdl, warmup=True)
 
 
 def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
@@ -149,23 +181,26 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
     return k_per_split, triton.cdiv(k, k_per_split)
 
 
-def _launch(x, weight, bias, scale, y, part, m: int, n: int, k: int, k_per_split: int, split: int,
+def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k_per_split: int, split: int,
             strides: tuple[int, int, int], config: SkinnyConfig, use_pdl: bool, warmup: bool) -> list:
-    """Launch (or, with `warmup`, only compile) the GEMM and, when K is split, the reduction; one code path for
-    both, so what is built ahead is what runs. The pointer arguments are tensors, or dtypes when `warmup` (an absent
-    bias or scale is None). Returns what each launch returned."""
+    """Launch (or, with `warmup`, only compile) the GEMM and, when K is split and no `counters` are given, the
+    reduction; one code path for both, so what is built ahead is what runs. The pointer arguments are tensors, or
+    dtypes when `warmup` (an absent bias, scale or counters is None). Returns what each launch returned."""
     has_bias, has_scale = bias is not None, scale is not None
+    fused = split > 1 and counters is not None
+    in_gemm = split == 1 or fused  # the GEMM kernel itself writes the output (bias and scale there)
     stride_xm, stride_wn, stride_ym = strides
     grid = (triton.cdiv(n, config.block_n), split)
     gemm = functools.partial(_skinny_gemm_kernel.warmup, grid=grid) if warmup else _skinny_gemm_kernel[grid]
     built = [gemm(
-        x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part, m, n, k, k_per_split,
-        stride_xm, stride_wn, stride_ym,
+        x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
+        counters if fused else part, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0,
-        IS_SPLIT=split > 1, HAS_BIAS=has_bias and split == 1, HAS_SCALE=has_scale and split == 1, USE_PDL=use_pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(use_pdl),
+        IS_SPLIT=split > 1, HAS_BIAS=has_bias and in_gemm, HAS_SCALE=has_scale and in_gemm, USE_PDL=use_pdl,
+        FUSED_SPLITS=split if fused else 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        **launch_kwargs(use_pdl),
     )]
-    if split > 1:
+    if split > 1 and not fused:
         block = min(1024, triton.next_power_of_2(n))
         grid = (triton.cdiv(n, block), m)
         reduce = functools.partial(_split_reduce_kernel.warmup, grid=grid) if warmup else _split_reduce_kernel[grid]

@@ -6,6 +6,18 @@ SMs, each streaming a whole (possibly 32k-token) KV history. Here every sequence
 preallocated scratch; a second kernel merges the pieces. `num_splits` is a launch constant picked from the batch
 shape (never from this step's lengths), and each program derives its key range from `seq_lens` on the device, so
 a captured CUDA graph stays valid for any lengths; splits that get no keys write an empty partial (lse = -inf).
+
+With `counters` (an int32 buffer of one zero per (sequence, KV head), owned by the caller) the merge runs inside the
+same launch: each split that holds keys writes its partial, then takes a ticket from its (sequence, KV head)
+counter; the program that draws the last ticket merges the partials of that group of query heads and sets the counter
+back to zero for the next launch. At batch 1 this saves the merge kernel's launch on every layer; splits that get no
+keys (most of them at short contexts, where the split count is set for the longest) exit at once. The merge reads the
+same partials in the same order as the merge kernel.
+
+Given also the step's new keys and values (`new_kv`), the fused launch writes them into the cache itself: the split
+that holds a sequence's last position stores that token's K/V row for its KV head, then waits for its own threads
+(a block barrier) before it reads the tile that holds it. No other program reads that position, so the separate KV
+write kernel of the step is saved too.
 """
 
 from __future__ import annotations
@@ -26,14 +38,15 @@ TARGET_PROGRAMS_PER_SM = 4
 @triton.jit(do_not_specialize=["window", "num_splits"])
 def _split_kv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr,
-    block_tables_ptr,
+    block_tables_ptr, out_ptr, counters_ptr, new_k_ptr, new_v_ptr, slot_mapping_ptr,
     scale, softcap, window, num_splits,
-    stride_qt, stride_qh,
+    stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_po_seq, stride_po_split, stride_po_head, stride_pl_seq, stride_pl_split,
+    stride_po_seq, stride_po_split, stride_po_head, stride_pl_seq, stride_pl_split, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, WRITE_KV: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -44,8 +57,6 @@ def _split_kv_decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if (seq_len == 0) | (q_len == 0):  # graph padding: the merge kernel writes its zeros
-        return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -53,6 +64,13 @@ def _split_kv_decode_kernel(
     row_valid = offs_m < GROUP
     d_ok = offs_d < HEAD_DIM
     row = (q_start + q_len - 1).to(tl.int64)
+    if (seq_len == 0) | (q_len == 0):  # graph padding: zeros in its row (written by the merge kernel when unfused)
+        if FUSED_MERGE:
+            if (split == 0) & (q_len > 0):
+                tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                         tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=out_ptr.dtype.element_ty),
+                         mask=row_valid[:, None] & d_ok[None, :])
+        return
     q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_ok[None, :], other=0.0)
     pos = seq_len - 1
@@ -64,6 +82,23 @@ def _split_kv_decode_kernel(
         kv_start = 0
     num_tiles = (seq_len - kv_start + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = (num_tiles + num_splits - 1) // num_splits
+    used_splits = (num_tiles + tiles_per_split - 1) // tiles_per_split  # the splits that get keys
+    if FUSED_MERGE:
+        if split >= used_splits:  # no keys: nothing to merge (the unfused merge reads its empty partial)
+            return
+    if WRITE_KV:  # only with FUSED_MERGE (rows are sequences): this row is the sequence's token at `pos`
+        if split == used_splits - 1:  # the split whose range ends at pos
+            slot = tl.load(slot_mapping_ptr + row)
+            if slot >= 0:
+                k_row = tl.load(new_k_ptr + row * stride_nkt + kv_head * stride_nkh + offs_d, mask=d_ok)
+                v_row = tl.load(new_v_ptr + row * stride_nvt + kv_head * stride_nvh + offs_d, mask=d_ok)
+                blk = slot // BLOCK_SIZE
+                at = slot % BLOCK_SIZE
+                tl.store(k_cache_ptr + blk * stride_kb + at * stride_ks + kv_head * stride_kh + offs_d,
+                         k_row.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
+                tl.store(v_cache_ptr + blk * stride_vb + at * stride_vs + kv_head * stride_vh + offs_d,
+                         v_row.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
+            tl.debug_barrier()  # the block's stores are visible to its own loads of that tile below
     lo = kv_start + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
@@ -86,6 +121,37 @@ def _split_kv_decode_kernel(
              mask=row_valid[:, None] & d_ok[None, :])
     base_l = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + split * stride_pl_split
     tl.store(base_l + head, lse, mask=row_valid)
+
+    if FUSED_MERGE:
+        # every thread's partial is stored before one thread takes the ticket (release); the last program's ticket
+        # (acquire) then sees all of them. Its loads bypass L1 (.cg), which holds nothing stale of them
+        tl.debug_barrier()
+        counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == used_splits - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            offs_s = tl.arange(0, SPLITS_PAD)
+            s_ok = offs_s < used_splits
+            seq64 = seq.to(tl.int64)
+            for g in tl.static_range(GROUP):
+                h = kv_head * GROUP + g
+                part_lse = tl.load(part_lse_ptr + seq64 * stride_pl_seq + offs_s * stride_pl_split + h, mask=s_ok,
+                                   other=float("-inf"), cache_modifier=".cg")
+                res = _merge_partials(part_lse, part_out_ptr + seq64 * stride_po_seq + h * stride_po_head,
+                                      offs_s, offs_d, s_ok, d_ok, stride_po_split)
+                tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+                         mask=d_ok)
+
+
+@triton.jit
+def _merge_partials(lse, part_out_ptr, offs_s, offs_d, s_ok, d_ok, stride_po_split):
+    """One head's output from its splits' partials: outputs weighted by exp2(lse), normalised (log2 domain)."""
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    o = tl.load(part_out_ptr + offs_s[:, None] * stride_po_split + offs_d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+    den = tl.sum(w, 0)
+    return tl.sum(o * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -112,12 +178,8 @@ def _merge_splits_kernel(
     seq64 = seq.to(tl.int64)
     lse = tl.load(part_lse_ptr + seq64 * stride_pl_seq + offs_s * stride_pl_split + head, mask=s_ok,
                   other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
-    o = tl.load(part_out_ptr + seq64 * stride_po_seq + offs_s[:, None] * stride_po_split + head * stride_po_head
-                + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    den = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
+    res = _merge_partials(lse, part_out_ptr + seq64 * stride_po_seq + head * stride_po_head, offs_s, offs_d, s_ok,
+                          d_ok, stride_po_split)
     out_ptrs = out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d
     tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -149,21 +211,31 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, sliding_window: int, softcap: float, num_splits: int,
                     part_out: torch.Tensor, part_lse: torch.Tensor, config: TileConfig | None = None,
-                    use_pdl: bool = False) -> None:
+                    use_pdl: bool = False, counters: torch.Tensor | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Decode attention (each sequence's last query row against its KV) with KV split `num_splits` ways.
 
     `part_out` (float32, >= `num_seqs * num_splits * H * D` elements) and `part_lse` (float32, >= `num_seqs *
     num_splits * H`) are scratch owned by the caller. Every row of `output` is written; rows that belong to no
     sequence with KV are zeros. Only valid when every sequence has at most one query token.
+
+    `counters` (int32 zeros, owned by the caller and left as zeros): merge in the same launch (module docstring).
+    Used when every row of `query` belongs to one sequence (rows == sequences, as in decode steps and their graphs)
+    and there is a counter per (sequence, KV head); otherwise the merge kernel runs, which also zeroes rows that
+    belong to no sequence.
+
+    `new_kv` = (key, value `[T, Hkv, D]` contiguous in D, slot_mapping): the step's new rows, written into the cache
+    by the fused launch (module docstring; rows with a negative slot are skipped). Returns whether they were
+    written: where the launch is not fused they are not, and the caller writes them first (`fusable` says ahead).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
-        return
+        return False
     if num_seqs == 0:
         output.zero_()
-        return
+        return False
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert query.stride(-1) == 1 and output.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert query_start_loc.shape[0] >= num_seqs + 1 and block_tables.shape[0] >= num_seqs
@@ -176,19 +248,29 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     po = part_out.view(-1)[: rows * num_heads * head_dim].view(num_seqs, num_splits, num_heads, head_dim)
     pl = part_lse.view(-1)[: rows * num_heads].view(num_seqs, num_splits, num_heads)
     head_dim_pad = triton.next_power_of_2(head_dim)
+    fused = fusable(num_tokens, num_seqs, num_kv_heads, counters)
+    assert counters is None or counters.dtype == torch.int32, "split-KV merge counters must be int32"
+    write = fused and new_kv is not None
+    new_k, new_v, slots = new_kv if write else (query, query, seq_lens)
+    if write:
+        assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and slots.shape[0] >= num_tokens
 
     _split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, po, pl, query_start_loc, seq_lens, block_tables,
-        float(scale), float(softcap), int(sliding_window), num_splits,
-        query.stride(0), query.stride(1),
+        query, k_cache, v_cache, po, pl, query_start_loc, seq_lens, block_tables, output,
+        counters if fused else pl, new_k, new_v, slots, float(scale), float(softcap), int(sliding_window), num_splits,
+        query.stride(0), query.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), output.stride(0), output.stride(1),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_KV_HEADS=num_kv_heads,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(query.dtype),
-        USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl),
+        USE_PDL=use_pdl, FUSED_MERGE=fused, WRITE_KV=write, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_kwargs(use_pdl),
     )
+    if fused:
+        return write
     _merge_splits_kernel[(num_tokens, num_heads)](
         output, po, pl, query_start_loc, seq_lens, num_seqs,
         output.stride(0), output.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
@@ -196,3 +278,10 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         HEAD_DIM_PAD=head_dim_pad, USE_PDL=use_pdl, num_warps=4 if head_dim_pad * num_splits >= 4096 else 2,
         **launch_kwargs(use_pdl),
     )
+    return False
+
+
+def fusable(num_tokens: int, num_seqs: int, num_kv_heads: int, counters: torch.Tensor | None) -> bool:
+    """Whether `split_kv_decode` merges (and writes the new K/V) in one launch: counters given, one for each
+    (sequence, KV head), and every row of the query one sequence's token."""
+    return counters is not None and num_tokens == num_seqs and counters.numel() >= num_seqs * num_kv_heads
