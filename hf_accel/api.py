@@ -615,10 +615,6 @@ def engine_info(model) -> dict[str, Any]:
         "int8_weight_linears": (len(eng.runner.piecewise.stats.int8_weight_linears)
                                 if getattr(eng.runner, "piecewise", None) is not None else 0),
         "int8_gemm": eng.compile_info.get("int8_gemm"),
-        # down projections that compute their MLP's SiLU-and-multiply themselves (hf_accel::gated_linear)
-        "gated_linears": (len(eng.runner.piecewise.stats.gated_linears)
-                          if getattr(eng.runner, "piecewise", None) is not None else 0),
-        "fused_split_reductions": bool(state.config.fused_split_reductions),
         # the compiled pieces round as eager PyTorch does (a model that quantizes activations; patches/quantization)
         "eager_precision_casts": bool(eng.compile_info.get("eager_precision_casts")),
         # what was turned off at startup and why (e.g. a quantized module that a CUDA graph cannot capture)

@@ -96,9 +96,6 @@ class AccelConfig:
     # split-KV decode attention and split-K small-M GEMMs sum their partial results in the launch that made them
     # (the last program to finish a group does it) instead of in a second kernel: one launch less per layer each
     fused_split_reductions: bool = True
-    # a gated MLP's SiLU-and-multiply runs inside its down projection's small-M GEMM (where that GEMM runs), not as
-    # a kernel of its own between the two projections (compilation/small_m_linear.fold_gated_activations)
-    gated_gemm: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

@@ -259,57 +259,6 @@ def test_routing_pass_on_a_traced_model():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-def test_gated_activation_folds_into_the_down_projection():
-    """On a Dynamo-traced tiny Llama (gate and up merged into one linear first, as the compiler does), each layer's
-    `down_proj(silu(gate) * up)` becomes one hf_accel::gated_linear, with no SiLU or product left; the logits stay
-    those of the model (on CPU the op computes the activation with eager PyTorch's rounding)."""
-    from conftest import make_llama
-
-    from hf_accel.compilation.linear_packing import merge_packed_linears, pack_sibling_linears
-    from hf_accel.compilation.small_m_linear import fold_gated_activations
-
-    model = make_llama().to(torch.float16).eval()
-    pack_sibling_linears(model)
-    ids = torch.randint(0, model.config.vocab_size, (1, 7))
-    folded: list = []
-    after: list = []
-
-    def backend(gm, example_inputs):
-        merge_packed_linears(gm, example_inputs)
-        route_small_m_linears(gm, use_pdl=False, allow_cpu=True)
-        folded.extend(fold_gated_activations(gm))
-        after.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    with torch.no_grad():
-        ref = model(ids).logits
-        torch._dynamo.reset()
-        out = torch.compile(model, backend=backend, fullgraph=False)(ids).logits
-    torch._dynamo.reset()
-    cfg = model.config
-    assert folded == [(cfg.hidden_size, cfg.intermediate_size, False)] * cfg.num_hidden_layers
-    assert not any("silu" in t for t in after)
-    assert sum("gated_linear" in t for t in after) == cfg.num_hidden_layers
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("split", [1, 2])
-def test_gated_kernel_is_silu_times_up_rounded_once(split):
-    """The small-M kernel's gated input: `silu(gate) * up` in float32, rounded once to the input dtype, then the
-    GEMM; gate and up as column slices of one wider tensor (a packed gate/up output)."""
-    g = torch.Generator().manual_seed(split)
-    m, n, k = 3, 40, 96
-    both = torch.randn(m, 2 * k, generator=g).to(DEVICE, torch.float16)
-    gate, up = both[:, :k], both[:, k:]
-    w = (torch.randn(n, k, generator=g) * 0.1).to(DEVICE, torch.float16)
-    cfg = G.SkinnyConfig(16, 16, 32, split, 4, 2)
-    y = G.skinny_linear(gate, w, None, cfg, up=up)
-    hidden = (F.silu(gate.float()) * up.float()).to(torch.float16)
-    ref = F.linear(hidden.float(), w.float())
-    assert (y.float() - ref).abs().max().item() <= _tol(torch.float16, ref)
-    assert torch.equal(y, G.skinny_linear(hidden, w, None, cfg)), "the GEMM of the hidden rows rounded once"
-
-
 def test_routing_pass_leaves_fp32_and_cpu_alone():
     from conftest import make_llama
 

@@ -203,9 +203,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--fused-split-reductions", action=argparse.BooleanOptionalAction, default=None,
                    help="split-KV attention and split-K GEMMs reduce in the same launch (default: on); "
                         "--no-fused-split-reductions for the A/B")
-    a.add_argument("--gated-gemm", action=argparse.BooleanOptionalAction, default=None,
-                   help="a gated MLP's SiLU-and-multiply inside its down projection's small-M GEMM (default: on); "
-                        "--no-gated-gemm for the A/B")
     a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="read the traced forward back from the compile cache (default: on); "
                         "--no-reuse-traced-graph traces every start")

@@ -44,11 +44,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 import hf_accel.attention.op  # noqa: F401  (registers torch.ops.hf_accel.attention)
 from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, capture_with_warmups, weak_ref_tree
 from hf_accel.compilation.linear_packing import merge_packed_linears
-from hf_accel.compilation.small_m_linear import (
-    fold_gated_activations,
-    route_int8_weight_only_linears,
-    route_small_m_linears,
-)
+from hf_accel.compilation.small_m_linear import route_int8_weight_only_linears, route_small_m_linears
 from hf_accel.compilation.trace_cache import TraceCache
 
 logger = logging.getLogger(__name__)
@@ -66,8 +62,6 @@ class CompileStats:
     num_graphable: int = 0  # pieces that get CUDA graphs
     num_merged_linears: int = 0  # groups of sibling linears run as one GEMM (linear_packing)
     routed_linears: list[tuple[int, int, bool]] = field(default_factory=list)  # (n, k, bias) via hf_accel::linear
-    # (n, k, bias) of each routed linear whose SiLU-and-multiply input was folded in (hf_accel::gated_linear)
-    gated_linears: list[tuple[int, int, bool]] = field(default_factory=list)
     # (n, k, bias) of each torchao int8 weight-only linear run through hf_accel::int8_weight_linear
     int8_weight_linears: list[tuple[int, int, bool]] = field(default_factory=list)
     trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend), or reading the stored trace
@@ -302,11 +296,9 @@ class PiecewiseForward:
                  token_dims: Sequence[tuple[int, int]] = ((0, 1), (1, 1)),
                  other_dynamic_dims: Sequence[tuple[int, int]] = ((2, 0),),
                  bypass_dynamo: bool = True, merge_linears: bool = True, route_linears: bool = False,
-                 pdl: bool = False, eager_casts: bool = False, trace_cache: TraceCache | None = None,
-                 fold_gated: bool = False) -> None:
+                 pdl: bool = False, eager_casts: bool = False, trace_cache: TraceCache | None = None) -> None:
         """`route_linears`: linears go through `hf_accel::linear` (small-M GEMM where tuned; compile pass
-        `small_m_linear`); with `fold_gated`, a routed linear of `silu(gate) * up` computes that activation itself
-        (`hf_accel::gated_linear`). `pdl`: Inductor's kernels are generated with programmatic dependent launch (sm90+).
+        `small_m_linear`). `pdl`: Inductor's kernels are generated with programmatic dependent launch (sm90+).
         `eager_casts`: Inductor rounds intermediates as eager does (`inductor_settings`). `trace_cache`: where the
         traced graph is stored and found again (a later start skips Dynamo; compilation/trace_cache.py)."""
         if compiler not in ("inductor", "eager"):
@@ -323,7 +315,6 @@ class PiecewiseForward:
         self.bypass_dynamo = bypass_dynamo
         self.merge_linears = merge_linears
         self.route_linears = route_linears
-        self.fold_gated = fold_gated
         self.pdl = pdl
         self.eager_casts = eager_casts
         self.trace_cache = trace_cache
@@ -482,8 +473,6 @@ class PiecewiseForward:
             self.stats.num_merged_linears = merge_packed_linears(gm, example_inputs)
         if self.route_linears:
             self.stats.routed_linears = route_small_m_linears(gm, self.pdl)
-            if self.fold_gated:
-                self.stats.gated_linears = fold_gated_activations(gm)
         self.stats.int8_weight_linears = route_int8_weight_only_linears(gm, self.pdl)
         split_gm = self._build(gm, example_inputs)
         self.stats.compile_seconds = time.perf_counter() - t0

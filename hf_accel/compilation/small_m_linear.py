@@ -5,20 +5,14 @@ plain floating-point (bf16 / fp16) 2-D weights on CUDA whose input has the weigh
 else (quantized weights, tensor subclasses, fp32, CPU) keeps its `F.linear`. The op itself falls back to
 `F.linear` for every row count and shape that tuning did not give to our kernel, so the pass alone changes nothing
 until `ops.linear.tune_linears` has run.
-
-`fold_gated_activations` then gives a routed linear whose input is `silu(gate) * up` (a gated MLP's down
-projection) that activation as well: `hf_accel::gated_linear` computes it while loading the GEMM's tiles, which
-saves the SiLU-and-multiply kernel between the two projections of every layer.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
 from hf_accel.compilation.linear_packing import LINEAR_TARGETS, is_dense
 
@@ -92,61 +86,3 @@ def route_int8_weight_only_linears(gm: torch.fx.GraphModule, use_pdl: bool) -> l
         gm.graph.lint()
         gm.recompile()
     return routed
-
-
-_SILU_TARGETS = (F.silu, torch.ops.aten.silu.default)
-_MUL_TARGETS = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
-
-
-def _only_user(node: torch.fx.Node, user: torch.fx.Node) -> bool:
-    return len(node.users) == 1 and user in node.users
-
-
-def _silu_input(node: object, user: torch.fx.Node) -> torch.fx.Node | None:
-    """x when `node` is a non-inplace `silu(x)` read only by `user`, else None."""
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _SILU_TARGETS):
-        return None
-    if node.kwargs.get("inplace", False) or len(node.args) != 1 or not _only_user(node, user):
-        return None
-    return node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
-
-
-def fold_gated_activations(gm: torch.fx.GraphModule) -> list[tuple[int, int, bool]]:
-    """Replace `hf_accel::linear(silu(gate) * up, w, b)` by `hf_accel::gated_linear(gate, up, w, b)` where the
-    activation's nodes have no other reader and gate / up have one shape and the weight's dtype; returns the
-    (n, k, has_bias) weight shapes folded. Runs after `route_small_m_linears`."""
-    import hf_accel.ops.linear  # noqa: F401  (registers torch.ops.hf_accel.gated_linear)
-
-    folded: list[tuple[int, int, bool]] = []
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.hf_accel.linear.default:
-            continue
-        hidden, w, b, use_pdl = node.args
-        if not (isinstance(hidden, torch.fx.Node) and hidden.op == "call_function"
-                and hidden.target in _MUL_TARGETS and len(hidden.args) == 2 and not hidden.kwargs
-                and _only_user(hidden, node)):
-            continue
-        lhs, rhs = hidden.args
-        for act, up in ((lhs, rhs), (rhs, lhs)):
-            gate = _silu_input(act, hidden)
-            if gate is not None and isinstance(up, torch.fx.Node):
-                break
-        else:
-            continue
-        gv, uv, wv = (n.meta.get("example_value") for n in (gate, up, w))
-        if not all(isinstance(v, torch.Tensor) for v in (gv, uv, wv)) or gv.shape != uv.shape:
-            continue
-        if gv.dtype != wv.dtype or uv.dtype != wv.dtype:
-            continue
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.hf_accel.gated_linear.default, (gate, up, w, b, use_pdl))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-        gm.graph.erase_node(hidden)
-        gm.graph.erase_node(act)
-        folded.append((int(wv.shape[0]), int(wv.shape[1]), b is not None))
-    if folded:
-        gm.graph.lint()
-        gm.recompile()
-    return folded

@@ -298,7 +298,7 @@ class ModelRunner:
         """Tile decisions for the small-M GEMMs the compile routed: bf16 / fp16 linears (`small_m_gemm`: ours or
         cuBLAS) and torchao int8 weight-only ones (`int8_gemm`: tuned tiles or the tile rule). A tuning failure
         warns and keeps the baseline: it is an optimisation."""
-        from hf_accel.ops.linear import build_gated, decisions_for, int8_key_dtype, tune_linears
+        from hf_accel.ops.linear import decisions_for, int8_key_dtype, tune_linears
 
         stats = self.piecewise.stats
         for name, shapes, int8 in (("small_m_gemm", stats.routed_linears, False),
@@ -312,8 +312,6 @@ class ModelRunner:
                 report = tune_linears(shapes, dtype, self.device, use_pdl=pdl, int8=int8,
                                       cache_dir=cache_path)
                 report["decisions"] = decisions_for(shapes, self.device, int8_key_dtype(dtype) if int8 else dtype)
-                if not int8 and stats.gated_linears:  # their kernels' gated variants, built before capture
-                    report["gated_build"] = build_gated(stats.gated_linears, dtype, self.device, pdl)
             except Exception as exc:
                 logger.warning("hf_accel: tuning the %s failed (%s: %s); %s run", what, type(exc).__name__, exc,
                                "the default int8 tiles" if int8 else "cuBLAS GEMMs")
@@ -324,13 +322,11 @@ class ModelRunner:
     def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
                            model_config, dtype: torch.dtype, *, pdl: bool = False,
                            small_m_gemm: bool = False, progress=None, tp=None,
-                           reuse_traced_graph: bool = False, mixed_capture_sizes: list[int] | None = None,
-                           gated_gemm: bool = False) -> dict:
+                           reuse_traced_graph: bool = False, mixed_capture_sizes: list[int] | None = None) -> dict:
         """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings.
 
         `pdl`: Inductor's kernels use programmatic dependent launch. `small_m_gemm`: linears go through
-        `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket;
-        `gated_gemm`: with it, a gated MLP's SiLU-and-multiply runs inside its down projection's GEMM.
+        `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket.
         `progress`: a `hf_accel.progress.StartupProgress` told when each phase starts. `tp`: the tensor-parallel
         group (engine/tensor_parallel.py); a compile failure on one of its ranks ends the job instead of falling
         back on that rank alone. `reuse_traced_graph`: Dynamo's trace is stored in the compile cache and a later
@@ -380,8 +376,7 @@ class ModelRunner:
             self.piecewise = compile_piecewise(self.forward_2d, capture_sizes=self.dispatcher.piecewise_sizes,
                                                use_cudagraph=on_cuda and bool(self.dispatcher.piecewise_sizes),
                                                graph_pool=pool, route_linears=small_m_gemm and on_cuda, pdl=pdl,
-                                               eager_casts=eager_casts, trace_cache=trace_cache,
-                                               fold_gated=gated_gemm)
+                                               eager_casts=eager_casts, trace_cache=trace_cache)
             meta = self.upload(self.dummy_inputs([15, 1]))
             self.backend.prepare(meta)
             try:

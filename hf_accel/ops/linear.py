@@ -101,38 +101,6 @@ def _(x, weight, bias, use_pdl):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op("hf_accel::gated_linear", mutates_args=())
-def gated_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 use_pdl: bool) -> torch.Tensor:
-    """`F.linear(silu(gate) * up, weight, bias)`: a gated MLP's down projection with its activation folded in
-    (`compilation.small_m_linear.fold_gated_activations` routes it here). Where `hf_accel::linear` would run the
-    small-M GEMM (a tuned row count), that kernel computes `silu(gate) * up` as it loads each tile, rounded once as
-    Inductor's fused kernel rounds it; otherwise the SiLU-and-multiply runs as one kernel (nn.SiLU's rounding, as
-    in eager PyTorch) and then `F.linear`."""
-    if (gate.is_cuda and weight.stride(-1) == 1 and weight.dtype == gate.dtype == up.dtype
-            and (bias is None or (bias.stride(0) == 1 and bias.dtype == gate.dtype))):
-        m = gate.numel() // gate.shape[-1] if gate.shape[-1] else 0
-        if m > 0:
-            cfg = tuned_config(gate.device, gate.dtype, weight.shape[0], weight.shape[1], bias is not None, m)
-            if cfg is not None:
-                global _skinny_linear
-                if _skinny_linear is None:
-                    from hf_accel.ops.skinny_gemm import skinny_linear as _skinny_linear
-                return _skinny_linear(gate, weight, bias, cfg, use_pdl, counters=split_k_counters(), up=up)
-    if gate.is_cuda:
-        from hf_accel.ops.fused_kernels import silu_and_mul
-
-        hidden = silu_and_mul(gate, up)
-    else:
-        hidden = F.silu(gate) * up
-    return F.linear(hidden, weight, bias)
-
-
-@gated_linear.register_fake
-def _(gate, up, weight, bias, use_pdl):
-    return gate.new_empty((*gate.shape[:-1], weight.shape[0]))
-
-
 def tuned_config(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, m: int):
     """The tuned tile config for a step of `m` rows (the decision of the smallest bucket >= m), or None: not tuned,
     more rows than any bucket, or the baseline won. `dtype`: as in `decisions_for`."""
@@ -297,25 +265,6 @@ def build_candidates(todo: Iterable[tuple[int, int, bool, int]], dtype: torch.dt
             for cfg in _candidates_for(bucket, k, int8) + baseline:
                 warmups.append(lambda n=n, k=k, b=has_bias, m=bucket, c=cfg: build_skinny_linear(
                     m, n, k, dtype, wdtype, b, int8, c, use_pdl))
-        return build_in_parallel(warmups)
-
-
-def build_gated(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, device: torch.device,
-                use_pdl: bool) -> dict:
-    """Compile ahead, side by side, the gated variant (`hf_accel::gated_linear`) of each tuned small-M kernel of
-    these down-projection shapes, as `build_candidates` does for the tuning: otherwise each would compile at its
-    first call, during graph capture. A report (`ops.triton_build.build_in_parallel`)."""
-    from hf_accel.ops.skinny_gemm import build_skinny_linear
-    from hf_accel.ops.triton_build import build_in_parallel
-
-    warmups = []
-    with torch.cuda.device(device):
-        for n, k, has_bias in sorted(set(shapes)):
-            for bucket in M_BUCKETS:
-                cfg = _decisions.get(_key(device, dtype, n, k, has_bias, bucket))
-                if cfg is not None:
-                    warmups.append(lambda n=n, k=k, b=has_bias, m=bucket, c=cfg: build_skinny_linear(
-                        m, n, k, dtype, dtype, b, False, c, use_pdl, gated=True))
         return build_in_parallel(warmups)
 
 

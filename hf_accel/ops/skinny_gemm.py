@@ -13,10 +13,6 @@ draws the last ticket sums the tile's partials and sets the counter back to zero
 the same order, so they give the same bits; the fused one saves a launch per split-K linear (a decode step at
 batch 1 has one or two per layer).
 
-Gated input (`up` given): the rows are `silu(x) * up`, computed in float32 as each tile is loaded and rounded once
-to the input dtype before the product, as Inductor's fused SiLU-and-multiply kernel rounds its output; an MLP's down
-projection then reads the gate/up projection's output directly, without that kernel between them.
-
 Launched with PDL where supported (see `hf_accel.ops.pdl`): it waits for its predecessor before reading `x` and
 before any store, and lets its successor launch once its own loop is done.
 
@@ -49,14 +45,13 @@ class SkinnyConfig:
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, u_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr, M, N, K, K_PER_SPLIT,
-    stride_xm, stride_um, stride_wn, stride_ym,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr, M, N, K, K_PER_SPLIT,
+    stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    FUSED_SPLITS: tl.constexpr, GATED: tl.constexpr,
+    FUSED_SPLITS: tl.constexpr,
 ):
-    """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count.
-    GATED: the input rows are silu(x) * u."""
+    """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,24 +62,17 @@ def _skinny_gemm_kernel(
     k0 = pid_k * K_PER_SPLIT
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :]
-    u_ptrs = u_ptr + offs_m[:, None].to(tl.int64) * stride_um + (k0 + offs_k)[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
-            x_mask = m_ok[:, None]
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         else:
             k_ok = (k0 + k + offs_k) < tl.minimum(K, k0 + K_PER_SPLIT)
-            x_mask = m_ok[:, None] & k_ok[None, :]
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if GATED:  # silu(x) * u in float32, rounded once (silu(0) * 0 = 0 where masked)
-            xf = x.to(tl.float32)
-            u = tl.load(u_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-            x = (xf / (1.0 + tl.exp(-xf)) * u).to(x.dtype)
-            u_ptrs += BLOCK_K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # int8 weights widen in registers; a no-op for bf16 / fp16
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -144,26 +132,18 @@ def _split_reduce_kernel(part_ptr, b_ptr, s_ptr, y_ptr, M, N, stride_ym, SPLIT_K
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
                   use_pdl: bool = False, out: torch.Tensor | None = None,
-                  scale: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                  up: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x` of at most `config.block_m` rows (leading dims flattened).
 
     `scale` (one value per output row, contiguous): `weight` is int8 and the product is `(x @ weight^T) * scale`,
     accumulated in float32 and scaled once before the bias and the cast (int8 weight-only quantization).
     `counters` (int32 zeros on x's device, left as zeros): a split-K launch sums its partials in the same launch
-    when there is a counter per column tile (module docstring); None, or too few: the reduce kernel does.
-    `up` (x's shape and dtype): the product is `F.linear(silu(x) * up, weight, bias)` (module docstring)."""
+    when there is a counter per column tile (module docstring); None, or too few: the reduce kernel does."""
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    u2 = x2
-    if up is not None:
-        assert up.shape == x.shape and up.dtype == x.dtype, "skinny_linear: up must match x"
-        u2 = up.reshape(-1, k)
-        if u2.stride(-1) != 1:
-            u2 = u2.contiguous()
     m = x2.shape[0]
     assert m <= config.block_m, f"skinny_linear: {m} rows do not fit block_m={config.block_m}"
     assert weight.stride(-1) == 1 and weight.shape[1] == k
@@ -176,24 +156,23 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     if counters is not None and counters.numel() < triton.cdiv(n, config.block_n):
         counters = None
-    _launch(x2, u2 if up is not None else None, weight, bias, scale, y, part, counters, m, n, k, k_per_split,
-            split, (x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0)), config, use_pdl, warmup=False)
+    _launch(x2, weight, bias, scale, y, part, counters, m, n, k, k_per_split, split,
+            (x2.stride(0), weight.stride(0), y.stride(0)), config, use_pdl, warmup=False)
     return y.view(*x.shape[:-1], n)
 
 
 def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype: torch.dtype, has_bias: bool,
                         has_scale: bool, config: SkinnyConfig, use_pdl: bool = False,
-                        fused_splits: bool = True, gated: bool = False) -> list:
+                        fused_splits: bool = True) -> list:
     """Compile (without running) the kernels `skinny_linear` launches for `m` rows of a contiguous `dtype` input
-    and a contiguous [n, k] weight (`fused_splits`: given counters; `gated`: given `up`): Triton's `warmup`, with
-    dtypes standing in for the tensors (only their dtypes and alignment enter a kernel's specialization). Returns
-    what each `warmup` returned (under Triton's async compile mode, futures), so `ops.triton_build.
-    build_in_parallel` can build many configurations at once."""
+    and a contiguous [n, k] weight (`fused_splits`: given counters): Triton's `warmup`, with dtypes standing in for
+    the tensors (only their dtypes and alignment enter a kernel's specialization). Returns what each `warmup`
+    returned (under Triton's async compile mode, futures), so `ops.triton_build.build_in_parallel` can build many
+    configurations at once."""
     k_per_split, split = _split(k, config)
-    return _launch(dtype, dtype if gated else None, weight_dtype, dtype if has_bias else None,
-                   dtype if has_scale else None, dtype, torch.float32 if split > 1 else dtype,
-                   torch.int32 if fused_splits else None, m, n, k, k_per_split, split, (k, k, k, n), config,
-                   use_pdl, warmup=True)
+    return _launch(dtype, weight_dtype, dtype if has_bias else None, dtype if has_scale else None, dtype,
+                   torch.float32 if split > 1 else dtype, torch.int32 if fused_splits else None, m, n, k,
+                   k_per_split, split, (k, k, n), config, use_pdl, warmup=True)
 
 
 def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
@@ -202,24 +181,24 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
     return k_per_split, triton.cdiv(k, k_per_split)
 
 
-def _launch(x, up, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k_per_split: int, split: int,
-            strides: tuple[int, int, int, int], config: SkinnyConfig, use_pdl: bool, warmup: bool) -> list:
+def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k_per_split: int, split: int,
+            strides: tuple[int, int, int], config: SkinnyConfig, use_pdl: bool, warmup: bool) -> list:
     """Launch (or, with `warmup`, only compile) the GEMM and, when K is split and no `counters` are given, the
     reduction; one code path for both, so what is built ahead is what runs. The pointer arguments are tensors, or
-    dtypes when `warmup` (an absent up, bias, scale or counters is None). Returns what each launch returned."""
+    dtypes when `warmup` (an absent bias, scale or counters is None). Returns what each launch returned."""
     has_bias, has_scale = bias is not None, scale is not None
     fused = split > 1 and counters is not None
     in_gemm = split == 1 or fused  # the GEMM kernel itself writes the output (bias and scale there)
-    stride_xm, stride_um, stride_wn, stride_ym = strides
+    stride_xm, stride_wn, stride_ym = strides
     grid = (triton.cdiv(n, config.block_n), split)
     gemm = functools.partial(_skinny_gemm_kernel.warmup, grid=grid) if warmup else _skinny_gemm_kernel[grid]
     built = [gemm(
-        x, up if up is not None else x, weight, bias if has_bias else weight, scale if has_scale else weight, y,
-        part, counters if fused else part, m, n, k, k_per_split, stride_xm, stride_um, stride_wn, stride_ym,
+        x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
+        counters if fused else part, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0,
         IS_SPLIT=split > 1, HAS_BIAS=has_bias and in_gemm, HAS_SCALE=has_scale and in_gemm, USE_PDL=use_pdl,
-        FUSED_SPLITS=split if fused else 0, GATED=up is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages, **launch_kwargs(use_pdl),
+        FUSED_SPLITS=split if fused else 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        **launch_kwargs(use_pdl),
     )]
     if split > 1 and not fused:
         block = min(1024, triton.next_power_of_2(n))
