@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -119,8 +118,6 @@ def inductor_settings(pdl: bool, eager_casts: bool = False) -> contextlib.Abstra
         settings["triton.enable_pdl"] = bool(pdl)
     if eager_casts:
         settings.update(eager_rounding_settings(inductor_config))
-    if os.environ.get("HF_ACCEL_EXPERIMENT_COMBO") == "1":
-        settings["combo_kernels"] = True
     return inductor_config.patch(settings)
 
 
