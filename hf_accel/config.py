@@ -94,7 +94,9 @@ class AccelConfig:
     pdl: bool | None = None
     small_m_gemm: bool = True
     # split-KV decode attention and split-K small-M GEMMs sum their partial results in the launch that made them
-    # (the last program to finish a group does it) instead of in a second kernel: one launch less per layer each
+    # (the last program to finish a group does it) instead of in a second kernel: one launch less per layer each.
+    # The small-M GEMM's tuning times the fused form either way, so False keeps the tile choices (an A/B of the
+    # reduction alone)
     fused_split_reductions: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process

@@ -287,24 +287,38 @@ def test_split_kv_decode_graph_padded(pad_tokens):
 @pytest.mark.parametrize("pad_seqs", [0, 2])
 def test_split_kv_decode_fused_merge_equals_merge_kernel(window, pad_seqs):
     """The merge inside the split kernel (the last split of each sequence and KV head merges) gives the merge
-    kernel's bits, also when most splits get no keys (context 1 and 12 against 8 splits of 16-key tiles) and on
-    graph-padded rows (zeros); its ticket counters are zeros again after every launch, so launch after launch agree."""
+    kernel's result, also when most splits get no keys (context 1 and 12 against 8 splits of 16-key tiles) and on
+    graph-padded rows (zeros); its ticket counters are zeros again after every launch, so launch after launch agree.
+    In the interpreter the bits are the same; compiled, the two kernels' warp layouts may add the splits' float32
+    partials in another order, so there the results agree to float32 rounding (and launch after launch, bitwise)."""
     step = make_step([1] * 4, [0, 11, 70, 129], pad_seqs=pad_seqs, pad_tokens=pad_seqs, seed=21)
     fused = make_backend(step, num_kv_splits=8, decode_block_n=16)
     plain = make_backend(step, num_kv_splits=8, decode_block_n=16, fused_merge=False)
     scale = step.query.shape[-1] ** -0.5
     want_caches, got_caches = [], []
     want = run_triton(step, plain, scale, window, 0.0, caches=want_caches)
+    first = None
     for _ in range(3):
         got_caches.clear()
         got = run_triton(step, fused, scale, window, 0.0, caches=got_caches)
-        assert torch.equal(got, want)
+        _same_merge(got, want)
+        assert first is None or torch.equal(got, first), "launch after launch must give the same bits"
+        first = got
         assert not fused._merge_counters.any(), "every counter must be back at zero after the launch"
         # the fused launch wrote the new K/V itself: the caches equal the KV write kernel's, NaN (unwritten) included
         for g, w in zip(got_caches, want_caches, strict=True):
             assert torch.equal(g.nan_to_num(123.0), w.nan_to_num(123.0))
-    assert torch.equal(run_triton(step, fused, scale, window, 0.0, separate=True), want)
+    _same_merge(run_triton(step, fused, scale, window, 0.0, separate=True), want)
     check(step, fused, window=window)
+
+
+def _same_merge(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bitwise in the interpreter; compiled, to float32 rounding of a sum over splits taken in another order."""
+    if ON_GPU:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[want == 0], want[want == 0]), "padded rows must stay exact zeros"
+    else:
+        assert torch.equal(got, want)
 
 
 def test_split_kv_decode_fused_kv_write_skips_null_slots():
@@ -318,7 +332,7 @@ def test_split_kv_decode_fused_kv_write_skips_null_slots():
     want_caches, got_caches = [], []
     want = run_triton(step, plain, scale, 0, 0.0, caches=want_caches)
     got = run_triton(step, fused, scale, 0, 0.0, caches=got_caches)
-    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    _same_merge(got.nan_to_num(7.0), want.nan_to_num(7.0))
     for g, w in zip(got_caches, want_caches, strict=True):
         assert torch.equal(g.nan_to_num(123.0), w.nan_to_num(123.0))
 

@@ -11,8 +11,10 @@ With `counters` (an int32 buffer of one zero per (sequence, KV head), owned by t
 same launch: each split that holds keys writes its partial, then takes a ticket from its (sequence, KV head)
 counter; the program that draws the last ticket merges the partials of that group of query heads and sets the counter
 back to zero for the next launch. At batch 1 this saves the merge kernel's launch on every layer; splits that get no
-keys (most of them at short contexts, where the split count is set for the longest) exit at once. The merge reads the
-same partials in the same order as the merge kernel.
+keys (most of them at short contexts, where the split count is set for the longest) exit at once. The merge combines
+the same partials by the same formula as the merge kernel; compiled, the two launches' warp layouts may add the
+splits' float32 terms in another order, so the results agree to float32 rounding, not always to the bit (the GEMM's
+fused split-K reduction, one sum per element in split order, does keep the bits).
 
 Given also the step's new keys and values (`new_kv`), the fused launch writes them into the cache itself: the split
 that holds a sequence's last position stores that token's K/V row for its KV head, then waits for its own threads
