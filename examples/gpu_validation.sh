@@ -83,6 +83,20 @@ case "${1:-tests}" in
       echo "== $1 batch $2"; grep -E "^generate:|accelerate_model:" "$OUT/profile-$1-b$2.log" | cut -c1-150
       sed -n '/by kind/,$p' "$OUT/profile-$1-b$2.log"
     done ;;
+  decode-ab)  # issue 14, one call on a 1-GPU lease: the fused split reductions' tests on the GPU (bitwise checks
+    # included, which `-m gpu` alone skips), then W1 of every shape and qwen3 W2 with them on and off, same lease
+    # (warm compile caches after the first start of each shape; the 8B last, it is the longest)
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    timeout 120 python3 -m pytest $P tests/test_triton_kernels.py tests/test_small_m_gemm.py -k "fused or split" \
+      >"$OUT/fused-tests.log" 2>&1; tail -n 2 "$OUT/fused-tests.log"
+    for c in "qwen3-0.6b w1,w2" "llama-3.2-1b w1" "llama-3.1-8b w1"; do
+      set -- $c
+      for f in fused-split-reductions no-fused-split-reductions; do
+        timeout 100 hf-accel bench --workload "$2" --shape "$1" --anchors none --"$f" --no-progress \
+          --json "$OUT/ab-$1-$f.json" >"$OUT/ab-$1-$f.log" 2>&1
+        echo "== $1 --$f"; grep -E "^W[12] " "$OUT/ab-$1-$f.log" | cut -c1-110
+      done
+    done ;;
   gemm)  # issue 14: decode GEMMs, cuBLAS against the small-M Triton GEMM, with and without PDL
     timeout 400 python3 examples/bench_skinny_gemm.py --ms 1 16 64 --json "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
     grep -E "CHAIN|device" "$OUT/gemm.log"; grep -vE "CHAIN|device" "$OUT/gemm.log" | cut -c1-120 | tail -n 60 ;;
