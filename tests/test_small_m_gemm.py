@@ -166,6 +166,29 @@ def test_fused_split_reduction_gives_the_reduce_kernels_bits(m, n, split, bias, 
     assert (few == 5).all(), "too few counters: the reduce kernel runs and the counters are not touched"
 
 
+def test_split_k_counters_are_this_threads_steps_own():
+    """The GEMM ops take their split-K ticket counters from this thread's engine step only: nested steps see their
+    own buffer, another thread sees none (two models stepping in two threads never share counters), and outside a
+    step there are none, so the two-kernel path runs."""
+    import threading
+
+    from hf_accel.attention.context import ForwardContext, forward_context, split_k_counters
+
+    a, b = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    seen: dict = {}
+    assert split_k_counters() is None
+    with forward_context(ForwardContext(None, None, [], split_k_counters=a)):
+        assert split_k_counters() is a
+        other = threading.Thread(target=lambda: seen.update(other=split_k_counters()))
+        other.start()
+        other.join()
+        with forward_context(ForwardContext(None, None, [], split_k_counters=b)):
+            assert split_k_counters() is b
+        assert split_k_counters() is a
+    assert "other" in seen and seen["other"] is None
+    assert split_k_counters() is None
+
+
 def test_tuner_times_only_what_is_not_decided_and_builds_it_first(monkeypatch, tmp_path):
     """The tuner's bookkeeping (timing and builds faked, no GPU here): decisions come from memory, then from the
     stored file, and only the rest is built ahead (once, all together) and timed; counts add up either way."""
