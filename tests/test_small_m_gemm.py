@@ -346,9 +346,11 @@ def test_int8_weight_op_on_decode_shapes(use_pdl):
 
 @gpu
 @pytest.mark.gpu
-def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency():
-    """Forty dependent GEMMs (each reads the previous output, split-K ones included) replayed from a graph: the
-    same bits with PDL as without, and as run eagerly."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency(fused):
+    """Forty dependent GEMMs (each reads the previous output, split-K ones included, back to back on one set of
+    ticket counters when `fused`) replayed from a graph: the same bits with PDL as without, and as run eagerly with
+    the reduce kernel; the counters are zeros after every replay."""
     if not pdl.supported(DEVICE):
         pytest.skip("PDL needs sm90+ and a triton that exposes it")
     torch.manual_seed(0)
@@ -356,25 +358,28 @@ def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency():
     ws = [torch.randn(h, h, device=DEVICE, dtype=torch.bfloat16) / 32 for _ in range(40)]
     cfgs = [G.SkinnyConfig(16, 32, 256, 1 + 3 * (i % 2), 4, 4) for i in range(40)]
     x0 = torch.randn(4, h, device=DEVICE, dtype=torch.bfloat16)
+    counters = torch.zeros(h // 32, dtype=torch.int32, device=DEVICE) if fused else None
 
-    def chain(use_pdl: bool) -> torch.Tensor:
+    def chain(use_pdl: bool, counters: torch.Tensor | None) -> torch.Tensor:
         y = x0
         for w, c in zip(ws, cfgs, strict=True):
-            y = torch.tanh(G.skinny_linear(y, w, None, c, use_pdl))  # a non-PDL kernel between, too
-            y = G.skinny_linear(y, w, None, c, use_pdl)
+            # a non-PDL kernel between, too
+            y = torch.tanh(G.skinny_linear(y, w, None, c, use_pdl, counters=counters))
+            y = G.skinny_linear(y, w, None, c, use_pdl, counters=counters)
         return y
 
-    eager = chain(False)
+    eager = chain(False, None)
     outs = {}
     for use_pdl in (False, True):
         g = torch.cuda.CUDAGraph()
-        chain(use_pdl)
+        chain(use_pdl, counters)
         torch.cuda.synchronize()
         with torch.cuda.graph(g):
-            out = chain(use_pdl)
+            out = chain(use_pdl, counters)
         for _ in range(3):
             g.replay()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            assert counters is None or not counters.any()
         outs[use_pdl] = out.clone()
     assert torch.equal(outs[False], eager) and torch.equal(outs[True], eager)
 
