@@ -293,7 +293,7 @@ def test_split_kv_decode_fused_merge_equals_merge_kernel(window, pad_seqs):
     partials in another order, so there the results agree to float32 rounding (and launch after launch, bitwise)."""
     step = make_step([1] * 4, [0, 11, 70, 129], pad_seqs=pad_seqs, pad_tokens=pad_seqs, seed=21)
     fused = make_backend(step, num_kv_splits=8, decode_block_n=16)
-    plain = make_backend(step, num_kv_splits=8, decode_block_n=16, fused_merge=False)
+    plain = make_backend(step, num_kv_splits=8, decode_block_n=16, fused_split_reductions=False)
     scale = step.query.shape[-1] ** -0.5
     want_caches, got_caches = [], []
     want = run_triton(step, plain, scale, window, 0.0, caches=want_caches)
@@ -327,7 +327,7 @@ def test_split_kv_decode_fused_kv_write_skips_null_slots():
     step = make_step([1] * 3, [30, 5, 64], seed=23)
     step.meta.slot_mapping[1] = -1
     fused = make_backend(step, num_kv_splits=4, decode_block_n=16)
-    plain = make_backend(step, num_kv_splits=4, decode_block_n=16, fused_merge=False)
+    plain = make_backend(step, num_kv_splits=4, decode_block_n=16, fused_split_reductions=False)
     scale = step.query.shape[-1] ** -0.5
     want_caches, got_caches = [], []
     want = run_triton(step, plain, scale, 0, 0.0, caches=want_caches)

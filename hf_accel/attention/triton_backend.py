@@ -67,11 +67,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec, device: torch.device, block_size: int, max_num_seqs: int,
                  max_num_tokens: int, max_blocks_per_seq: int, *, num_sms: int | None = None,
-                 num_kv_splits: int | None = None, fused_merge: bool = True) -> None:
+                 num_kv_splits: int | None = None, fused_split_reductions: bool = True) -> None:
         """`num_sms` overrides the SM count used to size split-KV decode; `num_kv_splits` forces the split count
-        for every decode batch (testing and tuning; 1 disables split-KV). `fused_merge`: split-KV decode merges
-        its partials in the same launch (kernels/split_kv_decode.py; `AccelConfig(fused_split_reductions=False)`
-        turns it off, a separate merge kernel then runs)."""
+        for every decode batch (testing and tuning; 1 disables split-KV). `fused_split_reductions`: split-KV decode
+        merges its partials (and writes the new K/V) in the same launch (kernels/split_kv_decode.py; the engine sets
+        it from `AccelConfig.fused_split_reductions`; False: a KV write and a merge kernel beside it)."""
         super().__init__(spec, device, block_size, max_num_seqs, max_num_tokens, max_blocks_per_seq)
         from hf_accel.attention.kernels import kv_write, split_kv_decode, unified_attention
 
@@ -96,7 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
         # one ticket counter per (sequence, KV head); the last split of each sets its counter back to zero
         self._merge_counters = torch.zeros(max_num_seqs * spec.num_kv_heads if self._split_rows else 1,
                                            dtype=torch.int32, device=device)
-        self.fused_split_reductions = fused_merge
+        self.fused_split_reductions = fused_split_reductions
         self._planned_meta: StepMetadata | None = None
         self._planned_splits = 1
 
@@ -141,31 +141,32 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv_and_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, output: torch.Tensor,
                              scale: float, sliding_window: int, softcap: float) -> None:
-        """A split-KV decode step whose merge is fused writes the new K/V in the same launch (no KV write kernel);
-        every other step writes them first, then attends."""
-        splits = self._planned_splits if self._planned_meta is meta else self.splits_for_step(meta)
-        counters = self._merge_counters if self.fused_split_reductions else None
-        if splits > 1 and self._split.fusable(query.shape[0], meta.seq_lens.shape[0], self.spec.num_kv_heads,
-                                               counters):
-            written = self._split.split_kv_decode(
-                query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
-                self.use_pdl, counters, new_kv=(key, value, meta.slot_mapping),
-            )
-            assert written, "internal error: a fusable split-KV launch did not write the new K/V"
-            return
-        self.write_kv(key, value, k_cache, v_cache, meta)
-        self.forward(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap)
+        """A split-KV decode step hands the new K/V to its launch, which writes them itself when its merge is fused
+        (no KV write kernel); every other step writes them first, then attends."""
+        splits = self._splits(meta)
+        new_kv = (key, value, meta.slot_mapping)
+        if splits == 1:
+            self.write_kv(key, value, k_cache, v_cache, meta)
+            new_kv = None
+        self._attend(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, splits, new_kv)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
                 output: torch.Tensor, scale: float, sliding_window: int, softcap: float) -> None:
         """Writes every row of `output`: rows of padded sequences or past the last sequence become zeros."""
-        splits = self._planned_splits if self._planned_meta is meta else self.splits_for_step(meta)
+        self._attend(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, self._splits(meta), None)
+
+    def _splits(self, meta: StepMetadata) -> int:
+        return self._planned_splits if self._planned_meta is meta else self.splits_for_step(meta)
+
+    def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
+                output: torch.Tensor, scale: float, sliding_window: int, softcap: float, splits: int,
+                new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        """The split-KV path (`new_kv`: the step's new rows, written by it) or the unified kernel."""
         if splits > 1:
             self._split.split_kv_decode(
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
-                self.use_pdl, self._merge_counters if self.fused_split_reductions else None,
+                self.use_pdl, self._merge_counters if self.fused_split_reductions else None, new_kv,
             )
         else:
             self._unified.unified_attention(

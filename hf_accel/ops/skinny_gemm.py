@@ -102,7 +102,8 @@ def _skinny_gemm_kernel(
 
 @triton.jit
 def _store_output(acc, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """The epilogue: an int8 weight's per-output-row scale, then the bias, then the cast to the output dtype."""
+    """The epilogue of every path (GEMM, fused split-K, reduce kernel): an int8 weight's per-output-row scale, then
+    the bias, then the cast to the output dtype."""
     if HAS_SCALE:
         acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -118,16 +119,13 @@ def _split_reduce_kernel(part_ptr, b_ptr, s_ptr, y_ptr, M, N, stride_ym, SPLIT_K
     ok = offs < N
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([1, BLOCK], dtype=tl.float32)  # one output row, as the GEMM's epilogue sees a tile
     for s in range(SPLIT_K):  # fixed order: the same bits on every run
-        acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + offs, mask=ok, other=0.0)
+        acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + offs[None, :], mask=ok[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if HAS_SCALE:
-        acc *= tl.load(s_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    _store_output(acc, y_ptr + row.to(tl.int64) * stride_ym + offs[None, :], b_ptr, s_ptr, offs, ok, ok[None, :],
+                  HAS_BIAS, HAS_SCALE)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,

@@ -29,8 +29,6 @@ def _write_kv_kernel(
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
         return
-    block = slot // BLOCK_SIZE
-    row = slot % BLOCK_SIZE
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
@@ -38,10 +36,20 @@ def _write_kv_kernel(
 
     k = tl.load(key_ptr + tok64 * stride_kt + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + tok64 * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    k_dst = k_cache_ptr + block * stride_kcb + row * stride_kcs + heads[:, None] * stride_kch + offs_d[None, :]
-    v_dst = v_cache_ptr + block * stride_vcb + row * stride_vcs + heads[:, None] * stride_vch + offs_d[None, :]
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    store_at_slot(k_cache_ptr, k, slot, heads[:, None] * stride_kch + offs_d[None, :], stride_kcb, stride_kcs, mask,
+                  BLOCK_SIZE)
+    store_at_slot(v_cache_ptr, v, slot, heads[:, None] * stride_vch + offs_d[None, :], stride_vcb, stride_vcs, mask,
+                  BLOCK_SIZE)
+
+
+@triton.jit
+def store_at_slot(cache_ptr, rows, slot, head_offsets, stride_block, stride_slot, mask, BLOCK_SIZE: tl.constexpr):
+    """Store `rows` (one token's heads, at `head_offsets` within a slot) at flat slot `slot` of a paged cache, cast
+    to the cache's dtype; the split-KV decode kernel writes its step's new K/V through this too."""
+    block = slot // BLOCK_SIZE
+    at = slot % BLOCK_SIZE
+    tl.store(cache_ptr + block * stride_block + at * stride_slot + head_offsets,
+             rows.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

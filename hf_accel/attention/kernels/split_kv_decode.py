@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.attention.kernels.common import TileConfig, attend_tile, dot_precision, find_seq
+from hf_accel.attention.kernels.kv_write import store_at_slot, write_kv
 from hf_accel.ops.pdl import launch_kwargs
 
 MAX_SPLITS = 64
@@ -94,12 +95,10 @@ def _split_kv_decode_kernel(
             if slot >= 0:
                 k_row = tl.load(new_k_ptr + row * stride_nkt + kv_head * stride_nkh + offs_d, mask=d_ok)
                 v_row = tl.load(new_v_ptr + row * stride_nvt + kv_head * stride_nvh + offs_d, mask=d_ok)
-                blk = slot // BLOCK_SIZE
-                at = slot % BLOCK_SIZE
-                tl.store(k_cache_ptr + blk * stride_kb + at * stride_ks + kv_head * stride_kh + offs_d,
-                         k_row.to(k_cache_ptr.dtype.element_ty), mask=d_ok)
-                tl.store(v_cache_ptr + blk * stride_vb + at * stride_vs + kv_head * stride_vh + offs_d,
-                         v_row.to(v_cache_ptr.dtype.element_ty), mask=d_ok)
+                store_at_slot(k_cache_ptr, k_row, slot, kv_head * stride_kh + offs_d, stride_kb, stride_ks, d_ok,
+                              BLOCK_SIZE)
+                store_at_slot(v_cache_ptr, v_row, slot, kv_head * stride_vh + offs_d, stride_vb, stride_vs, d_ok,
+                              BLOCK_SIZE)
             tl.debug_barrier()  # the block's stores are visible to its own loads of that tile below
     lo = kv_start + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
@@ -214,7 +213,7 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     scale: float, sliding_window: int, softcap: float, num_splits: int,
                     part_out: torch.Tensor, part_lse: torch.Tensor, config: TileConfig | None = None,
                     use_pdl: bool = False, counters: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Decode attention (each sequence's last query row against its KV) with KV split `num_splits` ways.
 
     `part_out` (float32, >= `num_seqs * num_splits * H * D` elements) and `part_lse` (float32, >= `num_seqs *
@@ -226,18 +225,22 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     and there is a counter per (sequence, KV head); otherwise the merge kernel runs, which also zeroes rows that
     belong to no sequence.
 
-    `new_kv` = (key, value `[T, Hkv, D]` contiguous in D, slot_mapping): the step's new rows, written into the cache
-    by the fused launch (module docstring; rows with a negative slot are skipped). Returns whether they were
-    written: where the launch is not fused they are not, and the caller writes them first (`fusable` says ahead).
+    `new_kv` = (key, value `[T, Hkv, D]` contiguous in D, slot_mapping): the step's new rows, to be written into the
+    cache first (rows with a negative slot are skipped): by the fused launch itself (module docstring), else by the
+    KV write kernel before the attention.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
+    # fused: every row of the query one sequence's token, a ticket counter for each (sequence, KV head)
+    fused = counters is not None and num_tokens == num_seqs and counters.numel() >= num_seqs * num_kv_heads
+    if new_kv is not None and not fused:
+        write_kv(*new_kv[:2], k_cache, v_cache, new_kv[2], use_pdl)
     if num_tokens == 0:
-        return False
+        return
     if num_seqs == 0:
         output.zero_()
-        return False
+        return
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert query.stride(-1) == 1 and output.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert query_start_loc.shape[0] >= num_seqs + 1 and block_tables.shape[0] >= num_seqs
@@ -250,7 +253,6 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     po = part_out.view(-1)[: rows * num_heads * head_dim].view(num_seqs, num_splits, num_heads, head_dim)
     pl = part_lse.view(-1)[: rows * num_heads].view(num_seqs, num_splits, num_heads)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    fused = fusable(num_tokens, num_seqs, num_kv_heads, counters)
     assert counters is None or counters.dtype == torch.int32, "split-KV merge counters must be int32"
     write = fused and new_kv is not None
     new_k, new_v, slots = new_kv if write else (query, query, seq_lens)
@@ -272,7 +274,7 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         **launch_kwargs(use_pdl),
     )
     if fused:
-        return write
+        return
     _merge_splits_kernel[(num_tokens, num_heads)](
         output, po, pl, query_start_loc, seq_lens, num_seqs,
         output.stride(0), output.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
@@ -280,10 +282,3 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         HEAD_DIM_PAD=head_dim_pad, USE_PDL=use_pdl, num_warps=4 if head_dim_pad * num_splits >= 4096 else 2,
         **launch_kwargs(use_pdl),
     )
-    return False
-
-
-def fusable(num_tokens: int, num_seqs: int, num_kv_heads: int, counters: torch.Tensor | None) -> bool:
-    """Whether `split_kv_decode` merges (and writes the new K/V) in one launch: counters given, one for each
-    (sequence, KV head), and every row of the query one sequence's token."""
-    return counters is not None and num_tokens == num_seqs and counters.numel() >= num_seqs * num_kv_heads
