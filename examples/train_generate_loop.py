@@ -24,6 +24,7 @@ import transformers
 
 from hf_accel import accelerate_model, restore
 from hf_accel.bench import shape_config
+from hf_accel.engine import model_state
 from hf_accel.engine.model_state import prefix_key, take_snapshot
 
 
@@ -71,12 +72,18 @@ def loop(model, mode: str, iters: int, prompts: torch.Tensor, new: int, train_id
 
 
 def digest_cost(shape: str, repeats: int = 5, w1: bool = True) -> dict:
+    """The per-call weight check's cost: version counters only, the content digest (one kernel launch on a GPU) and
+    the content digest through the chunked torch path it replaced (`content_torch_ms`)."""
     model = build(shape)
     out = {}
-    for check in ("version", "content"):
-        prefix_key(take_snapshot(model), check)
+    for check in ("version", "content", "content_torch"):
+        if check == "content_torch":
+            model_state._gpu_digest_fn = False  # the torch path, as where triton is missing
+        key = check.removesuffix("_torch")
+        prefix_key(take_snapshot(model), key)
         out[f"{check}_ms"] = 1e3 * statistics.median(
-            sync_time(lambda c=check: prefix_key(take_snapshot(model), c)) for _ in range(repeats))
+            sync_time(lambda c=key: prefix_key(take_snapshot(model), c)) for _ in range(repeats))
+    model_state._gpu_digest_fn = None  # chosen again on next use
     if not w1:
         return out
     accelerate_model(model)
@@ -96,6 +103,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--modes", default="stock,hf_accel,reaccelerate")
     ap.add_argument("--digest-8b", action="store_true")
+    ap.add_argument("--digest-only", action="store_true", help="only the weight-check costs, no training loop")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
@@ -104,7 +112,7 @@ def main() -> None:
     base = build("qwen3-0.6b")
     result: dict = {"shape": "qwen3-0.6b", "prompts": args.prompts, "new_tokens": args.new_tokens,
                     "device": torch.cuda.get_device_name(), "loop_s": {}}
-    for mode in args.modes.split(","):
+    for mode in [] if args.digest_only else args.modes.split(","):
         model = copy.deepcopy(base)
         times = loop(model, mode, args.iters, prompts, args.new_tokens, train_ids)
         result["loop_s"][mode] = {"median": statistics.median(times), "all": times}
@@ -114,16 +122,17 @@ def main() -> None:
         torch.cuda.empty_cache()
     del base
     torch.cuda.empty_cache()
-    result["weight_check"] = {"qwen3-0.6b": digest_cost("qwen3-0.6b")}
+    result["weight_check"] = {"qwen3-0.6b": digest_cost("qwen3-0.6b", w1=not args.digest_only)}
     torch.cuda.empty_cache()
     if args.digest_8b:
         result["weight_check"]["llama-3.1-8b"] = digest_cost("llama-3.1-8b", w1=False)
     for shape, d in result["weight_check"].items():
         if "w1_call_ms" not in d:
-            print(f"prefix-cache weight check {shape}: content {d['content_ms']:.2f} ms, version "
-                  f"{d['version_ms']:.2f} ms")
+            print(f"prefix-cache weight check {shape}: content {d['content_ms']:.2f} ms (torch path "
+                  f"{d['content_torch_ms']:.2f}), version {d['version_ms']:.2f} ms")
             continue
-        print(f"prefix-cache weight check {shape}: content {d['content_ms']:.2f} ms, version {d['version_ms']:.2f} ms,"
+        print(f"prefix-cache weight check {shape}: content {d['content_ms']:.2f} ms (torch path "
+              f"{d['content_torch_ms']:.2f}), version {d['version_ms']:.2f} ms,"
               f" W1 call {d['w1_call_ms']:.0f} ms -> content check = {100 * d['content_share_of_w1']:.2f} % of W1")
     if args.json:
         with open(args.json, "w") as f:

@@ -221,19 +221,36 @@ def _chunk_sums(pieces: list[torch.Tensor]) -> torch.Tensor:
                         (cols * _position_weights(_COLUMNS, cols.device)).sum()])
 
 
+_gpu_digest_fn = None
+
+
+def _gpu_digest():
+    """`ops.digest.digest_sums`, or None where triton is missing (the torch path below then serves CUDA too)."""
+    global _gpu_digest_fn
+    if _gpu_digest_fn is None:
+        try:
+            from hf_accel.ops.digest import digest_sums
+        except Exception:  # no triton
+            _gpu_digest_fn = False
+        else:
+            _gpu_digest_fn = digest_sums
+    return _gpu_digest_fn or None
+
+
 def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     """A digest of the tensors' contents, exact at the bit level for any single changed element.
 
-    The tensors' bytes, in order, are cut into chunks of 256 MiB, each read as a matrix of int32 words with 1,024
-    columns; per chunk, the row sums and the column sums are accumulated in int64 (exact) and folded with position
-    weights. Changing one element changes its row's sum; moving values between rows or between columns changes
-    the position-weighted sums. Big weights are summed in place (their chunks are views), small ones are gathered
-    into one chunk first, so a whole model costs a few reductions per 256 MiB at memory speed and one host sync
-    (measured on the H200: see the CHANGELOG). A quantized tensor subclass contributes its inner tensors (packed
-    data, scales); one whose data cannot be read that way contributes its version counter instead. Not a
-    cryptographic hash: an edit crafted to keep every row sum and every column sum of a chunk (+d, -d, -d, +d at
-    the corners of a rectangle of words) is not seen; ordinary edits (scaling, adding a
-    delta, copying other weights, any single element) are.
+    On a GPU, one kernel launch per device reads every tensor in place and folds its int32 words with two sets of
+    position weights (`ops.digest`; there, a non-contiguous tensor's contiguous copy lives until that launch).
+    Elsewhere (and without triton), the tensors' bytes, in order, are cut into chunks of 256 MiB, each read as a
+    matrix of int32 words with 1,024 columns; per chunk, the row sums and the column sums are accumulated in int64
+    (exact) and folded with position weights. Changing one element changes its row's sum; moving values between
+    rows or between columns changes the position-weighted sums. Big weights are summed in place (their chunks are
+    views), small ones are gathered into one chunk first. Either way a whole model costs one host sync (measured on
+    the H200: see the CHANGELOG). A quantized tensor subclass contributes its inner tensors (packed data, scales);
+    one whose data cannot be read that way contributes its version counter instead. Not a cryptographic hash: an
+    edit crafted to cancel in the sums (+d, -d, -d, +d at the corners of a rectangle of words, for the torch path)
+    is not seen; ordinary edits (scaling, adding a delta, copying other weights, any single element) are.
     """
     sums: dict[str, list[torch.Tensor]] = {}
     pending: dict[str, tuple[list[torch.Tensor], int]] = {}
@@ -248,8 +265,12 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
             for part in parts:
                 yield _plain_bytes(part)
 
+    on_gpu: dict[str, list[torch.Tensor]] = {}
     for data in byte_views():
         dev = str(data.device)
+        if data.device.type == "cuda" and _gpu_digest() is not None:
+            on_gpu.setdefault(dev, []).append(data)
+            continue
         pieces, size = pending.get(dev, ([], 0))
         offset = 0
         while offset < data.numel():
@@ -264,6 +285,8 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     for dev, (pieces, size) in pending.items():
         if size:
             sums.setdefault(dev, []).append(_chunk_sums(pieces))
+    for dev, views in on_gpu.items():  # one launch per GPU reads every tensor in place (ops/digest.py)
+        sums.setdefault(dev, []).append(_gpu_digest()(views))
     h = hashlib.blake2b(digest_size=16)
     for dev in sorted(sums):
         h.update(torch.stack(sums[dev]).cpu().numpy().tobytes())

@@ -1,0 +1,99 @@
+"""The one-launch content digest (hf_accel.ops.digest) behind the prefix cache's per-call weight check.
+
+On CPU the kernel runs in the Triton interpreter; on a GPU compiled, and `weights_digest` takes it for CUDA tensors.
+Checked: the kernel's two sums equal a plain-torch computation of the same formula (tensors of odd byte counts,
+misaligned views, slices crossing program boundaries), and every ordinary edit changes them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_mode import DEVICE, ON_GPU, load_kernel_modules
+
+pytest.importorskip("triton")
+
+from hf_accel.engine import model_state  # noqa: E402
+
+(D,) = load_kernel_modules(["hf_accel.ops.digest"], "_digest_kernel")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    """Programs of 1,000 words, so modest tensors span several programs (and slice ends fall mid-block)."""
+    monkeypatch.setattr(D, "SLICE_WORDS", 1000)
+
+
+def test_kernel_sums_equal_the_torch_formula(small_slices):
+    torch.manual_seed(0)
+    base = torch.randn(4001, dtype=torch.bfloat16, device=DEVICE)
+    views = [
+        _bytes(torch.randn(2500, 3, device=DEVICE)),              # 7,500 words: eight programs, the last short
+        _bytes(base),                                               # an odd number of bf16 values: padded
+        _bytes(base[1:]),                                           # starts mid-word: an aligned copy
+        _bytes(torch.tensor([True, False, True], device=DEVICE)),   # three bytes
+        _bytes(torch.randint(-2**31, 2**31 - 1, (999,), dtype=torch.int32, device=DEVICE)),
+        _bytes(torch.zeros(0, device=DEVICE)),                      # empty: no program, no position
+    ]
+    assert torch.equal(D.digest_sums(views).cpu(), D.reference_sums(views))
+    assert torch.equal(D.digest_sums([]).cpu(), torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("edit", ["one_ulp", "swap_two", "roll_rows", "flip_columns", "scale", "move_between",
+                                  "sign_bit", "add_delta"])
+def test_every_ordinary_edit_changes_the_sums(small_slices, edit):
+    torch.manual_seed(1)
+    a = torch.randn(64, 96, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.randn(64, 96, dtype=torch.bfloat16, device=DEVICE)
+    c = torch.randn(17, device=DEVICE)
+
+    def sums():
+        return D.digest_sums([_bytes(a), _bytes(b), _bytes(c)]).cpu()
+
+    before = sums()
+    assert torch.equal(before, sums())  # deterministic
+    if edit == "one_ulp":
+        a.view(torch.int16)[3, 5] += 1  # the next bf16 value
+    elif edit == "swap_two":
+        a[0, 0], a[40, 7] = a[40, 7].clone(), a[0, 0].clone()
+    elif edit == "roll_rows":
+        a.copy_(a.roll(1, 0))
+    elif edit == "flip_columns":
+        a.copy_(a.flip(-1))
+    elif edit == "scale":
+        b.mul_(1.5)
+    elif edit == "move_between":  # the same bytes in the other tensor: only their stream positions change
+        tmp = a.clone()
+        a.copy_(b)
+        b.copy_(tmp)
+    elif edit == "sign_bit":
+        c[16] = -c[16]
+    else:
+        a.add_(1e-2 * torch.randn_like(a))
+    assert not torch.equal(before, sums()), edit
+    after = sums()
+    assert not torch.equal(after[:1], before[:1]) and not torch.equal(after[1:], before[1:]), "both sums move"
+
+
+def test_weights_digest_uses_the_kernel_on_a_gpu_only(monkeypatch):
+    """CUDA tensors go through the one-launch kernel; CPU tensors through the chunked torch path, as before."""
+    calls = []
+    real = model_state._gpu_digest()
+    if real is None:
+        pytest.skip("no triton")
+
+    def spy(views):
+        calls.append(len(views))
+        return real(views)
+
+    monkeypatch.setattr(model_state, "_gpu_digest_fn", spy)
+    torch.manual_seed(2)
+    ts = [torch.randn(33, 8, device=DEVICE), torch.randn(5, dtype=torch.bfloat16, device=DEVICE)]
+    d1 = model_state.weights_digest(ts)
+    assert calls == ([2] if ON_GPU else [])
+    ts[1][2] += 1
+    assert model_state.weights_digest(ts) != d1
