@@ -98,9 +98,6 @@ class AccelConfig:
     # The small-M GEMM's tuning times the fused form either way, so False keeps the tile choices (an A/B of the
     # reduction alone)
     fused_split_reductions: bool = True
-    # under PDL, each small-M GEMM program asks L2 for its slice of the weight (up to 16 MB of one weight) before it
-    # waits for the kernel before it, so the weight stream starts while that kernel finishes (ops/skinny_gemm.py)
-    weight_prefetch: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

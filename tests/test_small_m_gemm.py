@@ -328,48 +328,6 @@ def test_bf16_decode_shapes(use_pdl):
 
 @gpu
 @pytest.mark.gpu
-def test_weight_prefetch_gives_the_same_bits():
-    """Prefetching the weight into L2 before the PDL wait is only a hint: the same bits as without, on shapes whose
-    rows, K and split ranges do not fill the tiles, bf16 and int8 weights, a weight over the prefetch budget (only
-    a share of each row prefetched) and one under it (all of it)."""
-    if not pdl.supported(DEVICE):
-        pytest.skip("PDL needs sm90+ and a triton that exposes it")
-    torch.manual_seed(0)
-    for n, k, cfg in ((4096, 1024, G.SkinnyConfig(16, 64, 128, 1)), (1000, 3000, G.SkinnyConfig(16, 32, 256, 4)),
-                      (16384, 2048, G.SkinnyConfig(16, 128, 128, 1)), (777, 520, G.SkinnyConfig(64, 64, 64, 3))):
-        assert G.prefetch_plan(n, k, G._split(k, cfg)[0], 2)[0] > 0
-        counters = torch.zeros(-(-n // cfg.block_n), dtype=torch.int32, device=DEVICE)
-        for int8 in (False, True):
-            w = (torch.randint(-127, 128, (n, k), device=DEVICE, dtype=torch.int8) if int8
-                 else torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.05)
-            s = torch.rand(n, device=DEVICE, dtype=torch.bfloat16) * 2e-3 + 1e-4 if int8 else None
-            b = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
-            x = torch.randn(min(cfg.block_m, 13), k, device=DEVICE, dtype=torch.bfloat16)
-            for c in (None, counters):
-                plain = G.skinny_linear(x, w, b, cfg, True, scale=s, counters=c)
-                ahead = G.skinny_linear(x, w, b, cfg, True, scale=s, counters=c, prefetch=True)
-                assert torch.equal(plain, ahead), (n, k, cfg, int8, c is not None)
-
-
-def test_prefetch_plan_stays_inside_the_budget_and_the_slice():
-    """The prefetched share: all of a weight under the budget (rounded up to whole rounds of lines), the same
-    leading share of every row above it, nothing for a weight whose share is under one cache line per row."""
-    budget = G.PREFETCH_BUDGET_BYTES
-    for n, k, kps in ((4096, 1024, 1024), (1024, 3072, 384), (16384, 2048, 2048), (28672, 4096, 4096),
-                      (4096, 14336, 1792), (151936, 1024, 1024), (7, 40, 40)):
-        pk, chunk = G.prefetch_plan(n, k, kps, 2)
-        line = G.LINE_BYTES // 2
-        assert pk % (chunk * line) == 0 and chunk <= G.PREFETCH_CHUNK_LINES
-        if n * k * 2 <= budget:
-            assert kps <= pk < kps + chunk * line
-        else:
-            assert pk * n * 2 <= budget * 1.01 or pk == chunk * line
-            assert pk <= kps
-    assert G.prefetch_plan(151936, 1024, 1024, 2) == (0, 1)
-
-
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("use_pdl", [False, True])
 def test_int8_weight_op_on_decode_shapes(use_pdl):
     """hf_accel::int8_weight_linear on the llama-3.1-8b decode shapes: the small-M kernel (its own tile choice) at
@@ -390,12 +348,11 @@ def test_int8_weight_op_on_decode_shapes(use_pdl):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize(("fused", "prefetch"), [(False, False), (True, False), (True, True)])
-def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency(fused, prefetch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency(fused):
     """Forty dependent GEMMs (each reads the previous output, split-K ones included, back to back on one set of
-    ticket counters when `fused`, prefetching their weights before the wait when `prefetch`) replayed from a graph:
-    the same bits with PDL as without, and as run eagerly with the reduce kernel; the counters are zeros after every
-    replay."""
+    ticket counters when `fused`) replayed from a graph: the same bits with PDL as without, and as run eagerly with
+    the reduce kernel; the counters are zeros after every replay."""
     if not pdl.supported(DEVICE):
         pytest.skip("PDL needs sm90+ and a triton that exposes it")
     torch.manual_seed(0)
@@ -409,8 +366,8 @@ def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency(fused, prefetch):
         y = x0
         for w, c in zip(ws, cfgs, strict=True):
             # a non-PDL kernel between, too
-            y = torch.tanh(G.skinny_linear(y, w, None, c, use_pdl, counters=counters, prefetch=prefetch))
-            y = G.skinny_linear(y, w, None, c, use_pdl, counters=counters, prefetch=prefetch)
+            y = torch.tanh(G.skinny_linear(y, w, None, c, use_pdl, counters=counters))
+            y = G.skinny_linear(y, w, None, c, use_pdl, counters=counters)
         return y
 
     eager = chain(False, None)

@@ -30,8 +30,6 @@ class ForwardContext:
     # int32 zeros the step's split-K GEMMs take tickets from to reduce in one launch (ops/skinny_gemm.py); one
     # buffer per runner, used by one step at a time on one stream, so no two launches share a counter at once
     split_k_counters: torch.Tensor | None = None
-    # small-M GEMMs launched with PDL prefetch their weights into L2 before they wait (AccelConfig.weight_prefetch)
-    weight_prefetch: bool = False
 
 
 class _ThreadContext(threading.local):
@@ -67,12 +65,6 @@ def split_k_counters() -> torch.Tensor | None:
     """This thread's step's split-K ticket counters (`ForwardContext.split_k_counters`); None outside a step."""
     ctx = _local.current
     return ctx.split_k_counters if ctx is not None else None
-
-
-def weight_prefetch() -> bool:
-    """Whether this thread's step's small-M GEMMs prefetch their weights (`ForwardContext.weight_prefetch`)."""
-    ctx = _local.current
-    return ctx.weight_prefetch if ctx is not None else False
 
 
 @contextlib.contextmanager

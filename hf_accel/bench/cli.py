@@ -203,9 +203,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--fused-split-reductions", action=argparse.BooleanOptionalAction, default=None,
                    help="split-KV attention and split-K GEMMs reduce in the same launch (default: on); "
                         "--no-fused-split-reductions for the A/B")
-    a.add_argument("--weight-prefetch", action=argparse.BooleanOptionalAction, default=None,
-                   help="small-M GEMMs prefetch their weights into L2 before their PDL wait (default: on); "
-                        "--no-weight-prefetch for the A/B")
     a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="read the traced forward back from the compile cache (default: on); "
                         "--no-reuse-traced-graph traces every start")

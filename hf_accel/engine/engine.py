@@ -139,8 +139,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.backend, self.kv_caches, self.block_size, cfg.max_num_seqs,
                                   self.max_num_tokens, self.max_blocks_per_seq, self.shape.max_model_len,
-                                  fused_split_reductions=cfg.fused_split_reductions,
-                                  weight_prefetch=cfg.weight_prefetch)
+                                  fused_split_reductions=cfg.fused_split_reductions)
         self.sampler = Sampler()
         self.stats.timings["kv_cache_s"] = time.perf_counter() - t0
         self.compile_info: dict = {}

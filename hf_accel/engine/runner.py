@@ -94,10 +94,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, max_num_seqs: int,
                  max_num_tokens: int, max_blocks_per_seq: int, max_model_len: int | None = None,
-                 fused_split_reductions: bool = True, weight_prefetch: bool = False) -> None:
+                 fused_split_reductions: bool = True) -> None:
         """`fused_split_reductions`: the step's split-K small-M GEMMs sum their partials in one launch, taking
-        tickets from `split_k_counters` (`ForwardContext.split_k_counters`; `AccelConfig.fused_split_reductions`).
-        `weight_prefetch`: they prefetch their weights into L2 before their PDL wait (`AccelConfig.weight_prefetch`)."""
+        tickets from `split_k_counters` (`ForwardContext.split_k_counters`; `AccelConfig.fused_split_reductions`)."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -127,7 +126,6 @@ class ModelRunner:
         # with more tiles reduces in a second kernel
         self.split_k_counters = (torch.zeros(SPLIT_K_COUNTERS, dtype=i32, device=dev)
                                  if fused_split_reductions and dev.type == "cuda" else None)
-        self.weight_prefetch = weight_prefetch
 
     # -- packing -----------------------------------------------------------------------------------------------
     def pack(self, step: ScheduledStep) -> StepInputs:
@@ -273,7 +271,7 @@ class ModelRunner:
 
     def context(self, meta: StepMetadata) -> ForwardContext:
         return ForwardContext(metadata=meta, backend=self.backend, kv_caches=self.kv_caches,
-                              split_k_counters=self.split_k_counters, weight_prefetch=self.weight_prefetch)
+                              split_k_counters=self.split_k_counters)
 
     def forward_2d(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    logits_indices: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hf_accel.attention.context import split_k_counters, weight_prefetch
+from hf_accel.attention.context import split_k_counters
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,8 @@ MIN_GAIN = {1: 0.03, 16: 0.03, 64: 0.10}
 TUNE_FILE = "small_m_gemm.json"
 # part of every stored key: decisions of older candidate sets or thresholds are not reused (bump it when the
 # candidates, MIN_GAIN, the int8 tile rule `quantized_linear.default_config` or what is timed change; 3: split-K
-# candidates are timed with their reduction in the same launch, as engine steps run them; 4: with PDL, candidates
-# prefetch their weights into L2 before their wait, as engine steps run them)
-TUNE_VERSION = 4
+# candidates are timed with their reduction in the same launch, as engine steps run them)
+TUNE_VERSION = 3
 
 # (device index, dtype, n, k, has_bias, bucket) -> SkinnyConfig | None (None: cuBLAS); on disk the device is named
 _decisions: dict[tuple, object] = {}
@@ -93,8 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
                 global _skinny_linear
                 if _skinny_linear is None:
                     from hf_accel.ops.skinny_gemm import skinny_linear as _skinny_linear
-                return _skinny_linear(x, weight, bias, cfg, use_pdl, counters=split_k_counters(),
-                                      prefetch=weight_prefetch())
+                return _skinny_linear(x, weight, bias, cfg, use_pdl, counters=split_k_counters())
     return F.linear(x, weight, bias)
 
 
@@ -201,8 +199,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
         scale = None
     bias = torch.randn(n, device=device, dtype=dtype) if has_bias else None
     x = torch.randn(bucket, k, device=device, dtype=dtype)
-    # split-K candidates reduce in the same launch and (under PDL) prefetch their weights, as in an engine step; the
-    # tiles chosen do not change with AccelConfig.fused_split_reductions or weight_prefetch, so those A/Bs keep them
+    # split-K candidates reduce in the same launch, as in an engine step (whose runner holds such counters)
     counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
     rows = min(n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
     w_ref = weights[0][:rows].float() * (scale[:rows, None].float() if int8 else 1.0)
@@ -222,22 +219,20 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
         from hf_accel.ops.quantized_linear import default_config
 
         base = default_config(bucket, n, k, device)
-        baseline = cycling(lambda w: skinny_linear(x, w, bias, base, use_pdl, scale=scale, counters=counters,
-                                                   prefetch=True))
+        baseline = cycling(lambda w: skinny_linear(x, w, bias, base, use_pdl, scale=scale, counters=counters))
     else:
         baseline = cycling(lambda w: F.linear(x, w, bias))
     best_cfg, best_t = None, time_in_graph(baseline)
     base_t = best_t
     for cfg in _candidates_for(bucket, k, int8):
         try:
-            out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale, counters=counters,
-                                prefetch=True)[:, :rows].float()
+            out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale, counters=counters)[:, :rows].float()
             err = (out - ref).abs().max().item()
             if not err <= tol:  # a broken config must never win (NaN included)
                 logger.warning("hf_accel: small-M GEMM config %s gave error %.3g on %dx%d; skipped", cfg, err, n, k)
                 continue
             t = time_in_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl, scale=scale,
-                                                                     counters=counters, prefetch=True)))
+                                                                     counters=counters)))
         except Exception as exc:  # a config that does not compile on this GPU / triton
             logger.debug("small-M GEMM config %s failed: %s", cfg, exc)
             continue

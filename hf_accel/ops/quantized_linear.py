@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from hf_accel.attention.context import split_k_counters, weight_prefetch
+from hf_accel.attention.context import split_k_counters
 from hf_accel.ops.linear import device_index, int8_key_dtype, tuned_config
 
 _skinny = None  # hf_accel.ops.skinny_gemm, imported on first CUDA use (it imports triton at the top)
@@ -67,7 +67,7 @@ def int8_weight_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor
             s = scale.reshape(-1)
             s = (s.expand(n) if s.numel() == 1 else s).contiguous()
             return _skinny.skinny_linear(x, qdata, bias, _tile_config(x, m, n, k, bias is not None), use_pdl,
-                                         scale=s, counters=split_k_counters(), prefetch=weight_prefetch())
+                                         scale=s, counters=split_k_counters())
     return reference_int8_weight_linear(x, qdata, scale, bias)
 
 

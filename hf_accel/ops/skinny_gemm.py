@@ -31,11 +31,6 @@ import triton.language as tl
 from hf_accel.ops.pdl import launch_kwargs
 
 MAX_M = 64  # rows this kernel is meant for; above it cuBLAS's large-M tiles win
-LINE_BYTES = 128  # an L2 cache line: the unit of one prefetch
-PREFETCH_CHUNK_LINES = 16  # cache lines per row a program prefetches per round (a [BLOCK_N, 16] tile of addresses)
-# at most this many bytes of one weight are prefetched ahead (H100 / H200 L2: 50 MB, split in two halves); a larger
-# weight prefetches the same leading share of each row
-PREFETCH_BUDGET_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -54,12 +49,9 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    FUSED_SPLITS: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, CHUNK: tl.constexpr,
+    FUSED_SPLITS: tl.constexpr,
 ):
-    """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count.
-    PREFETCH_K: with PDL, the K elements of each of its rows of W this program asks L2 for before it waits for its
-    predecessor (a multiple of CHUNK * LINE: CHUNK lines per row at a time, LINE elements in a 128-byte cache line;
-    0: none)."""
+    """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,8 +63,6 @@ def _skinny_gemm_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :]
     if USE_PDL:
-        if PREFETCH_K > 0:
-            _prefetch_rows_to_l2(w_ptr, offs_n, k0, N, K, stride_wn, PREFETCH_K, LINE, CHUNK)
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
@@ -111,20 +101,6 @@ def _skinny_gemm_kernel(
 
 
 @triton.jit
-def _prefetch_rows_to_l2(w_ptr, offs_n, k0, N, K, stride_wn, PREFETCH_K: tl.constexpr, LINE: tl.constexpr,
-                         CHUNK: tl.constexpr):
-    """Ask L2 for the first PREFETCH_K elements from column k0 of rows `offs_n` of W, one `prefetch.global.L2` per
-    cache line, without waiting for them. Only a hint: L2 is where the GPU's memory is coherent, so a line fetched
-    early is never stale, and addresses are clamped into W so nothing outside it is touched."""
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
-    for c in tl.static_range(0, PREFETCH_K, CHUNK * LINE):
-        cols = tl.minimum(k0 + c + tl.arange(0, CHUNK) * LINE, K - 1)
-        ptrs = w_ptr + rows[:, None] + cols[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _store_output(acc, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
     """The epilogue of every path (GEMM, fused split-K, reduce kernel): an int8 weight's per-output-row scale, then
     the bias, then the cast to the output dtype."""
@@ -154,16 +130,13 @@ def _split_reduce_kernel(part_ptr, b_ptr, s_ptr, y_ptr, M, N, stride_ym, SPLIT_K
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
                   use_pdl: bool = False, out: torch.Tensor | None = None,
-                  scale: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                  prefetch: bool = False) -> torch.Tensor:
+                  scale: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x` of at most `config.block_m` rows (leading dims flattened).
 
     `scale` (one value per output row, contiguous): `weight` is int8 and the product is `(x @ weight^T) * scale`,
     accumulated in float32 and scaled once before the bias and the cast (int8 weight-only quantization).
     `counters` (int32 zeros on x's device, left as zeros): a split-K launch sums its partials in the same launch
-    when there is a counter per column tile (module docstring); None, or too few: the reduce kernel does.
-    `prefetch` (with `use_pdl`): each program asks L2 for (a bounded part of) its slice of W before it waits for the
-    kernel before it (`prefetch_k`)."""
+    when there is a counter per column tile (module docstring); None, or too few: the reduce kernel does."""
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -182,14 +155,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if counters is not None and counters.numel() < triton.cdiv(n, config.block_n):
         counters = None
     _launch(x2, weight, bias, scale, y, part, counters, m, n, k, k_per_split, split,
-            (x2.stride(0), weight.stride(0), y.stride(0)), config, use_pdl, warmup=False,
-            prefetch=prefetch and use_pdl)
+            (x2.stride(0), weight.stride(0), y.stride(0)), config, use_pdl, warmup=False)
     return y.view(*x.shape[:-1], n)
 
 
 def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype: torch.dtype, has_bias: bool,
                         has_scale: bool, config: SkinnyConfig, use_pdl: bool = False,
-                        fused_splits: bool = True, prefetch: bool = True) -> list:
+                        fused_splits: bool = True) -> list:
     """Compile (without running) the kernels `skinny_linear` launches for `m` rows of a contiguous `dtype` input
     and a contiguous [n, k] weight (`fused_splits`: given counters): Triton's `warmup`, with dtypes standing in for
     the tensors (only their dtypes and alignment enter a kernel's specialization). Returns what each `warmup`
@@ -198,20 +170,7 @@ def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype
     k_per_split, split = _split(k, config)
     return _launch(dtype, weight_dtype, dtype if has_bias else None, dtype if has_scale else None, dtype,
                    torch.float32 if split > 1 else dtype, torch.int32 if fused_splits else None, m, n, k,
-                   k_per_split, split, (k, k, n), config, use_pdl, warmup=True, prefetch=prefetch and use_pdl)
-
-
-def prefetch_plan(n: int, k: int, k_per_split: int, itemsize: int) -> tuple[int, int]:
-    """(K elements of each row of its slice a program prefetches into L2 before its PDL wait, cache lines per row per
-    round). All of the slice when the whole weight fits `PREFETCH_BUDGET_BYTES`; else the same leading share of every
-    row, so that a weight larger than L2 does not evict its own prefetched lines before they are read."""
-    line = LINE_BYTES // itemsize
-    share = PREFETCH_BUDGET_BYTES / (n * k * itemsize)
-    lines = triton.cdiv(k_per_split, line) if share >= 1 else int(k_per_split * share) // line
-    if lines == 0:
-        return 0, 1
-    chunk = min(PREFETCH_CHUNK_LINES, triton.next_power_of_2(lines))
-    return triton.cdiv(lines, chunk) * chunk * line, chunk
+                   k_per_split, split, (k, k, n), config, use_pdl, warmup=True)
 
 
 def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
@@ -221,8 +180,7 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
 
 
 def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k_per_split: int, split: int,
-            strides: tuple[int, int, int], config: SkinnyConfig, use_pdl: bool, warmup: bool,
-            prefetch: bool = False) -> list:
+            strides: tuple[int, int, int], config: SkinnyConfig, use_pdl: bool, warmup: bool) -> list:
     """Launch (or, with `warmup`, only compile) the GEMM and, when K is split and no `counters` are given, the
     reduction; one code path for both, so what is built ahead is what runs. The pointer arguments are tensors, or
     dtypes when `warmup` (an absent bias, scale or counters is None). Returns what each launch returned."""
@@ -232,16 +190,12 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     stride_xm, stride_wn, stride_ym = strides
     grid = (triton.cdiv(n, config.block_n), split)
     gemm = functools.partial(_skinny_gemm_kernel.warmup, grid=grid) if warmup else _skinny_gemm_kernel[grid]
-    itemsize = (weight if warmup else weight.dtype).itemsize
-    prefetch_k, chunk = prefetch_plan(n, k, k_per_split, itemsize) if prefetch else (0, 1)
     built = [gemm(
         x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
         counters if fused else part, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0,
         IS_SPLIT=split > 1, HAS_BIAS=has_bias and in_gemm, HAS_SCALE=has_scale and in_gemm, USE_PDL=use_pdl,
-        FUSED_SPLITS=split if fused else 0,
-        PREFETCH_K=prefetch_k, LINE=LINE_BYTES // itemsize, CHUNK=chunk,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FUSED_SPLITS=split if fused else 0, num_warps=config.num_warps, num_stages=config.num_stages,
         **launch_kwargs(use_pdl),
     )]
     if split > 1 and not fused:
