@@ -18,10 +18,6 @@ from hf_accel.engine import model_state  # noqa: E402
 (D,) = load_kernel_modules(["hf_accel.ops.digest"], "_digest_kernel")
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 @pytest.fixture
 def small_slices(monkeypatch):
     """Programs of 1,000 words, so modest tensors span several programs (and slice ends fall mid-block)."""
@@ -32,12 +28,13 @@ def test_kernel_sums_equal_the_torch_formula(small_slices):
     torch.manual_seed(0)
     base = torch.randn(4001, dtype=torch.bfloat16, device=DEVICE)
     views = [
-        _bytes(torch.randn(2500, 3, device=DEVICE)),              # 7,500 words: eight programs, the last short
-        _bytes(base),                                               # an odd number of bf16 values: padded
-        _bytes(base[1:]),                                           # starts mid-word: an aligned copy
-        _bytes(torch.tensor([True, False, True], device=DEVICE)),   # three bytes
-        _bytes(torch.randint(-2**31, 2**31 - 1, (999,), dtype=torch.int32, device=DEVICE)),
-        _bytes(torch.zeros(0, device=DEVICE)),                      # empty: no program, no position
+        torch.randn(2500, 3, device=DEVICE),               # 7,500 words: eight programs, the last one short
+        base,                                               # an odd number of bf16 values: copied and padded
+        base[2:],                                           # starts mid-line: copied to an aligned buffer
+        torch.randn(30, 40, device=DEVICE).t(),             # not contiguous: copied
+        torch.tensor([True, False, True], device=DEVICE),   # three bytes
+        torch.randint(-2**31, 2**31 - 1, (4 * 999,), dtype=torch.int32, device=DEVICE),  # in place, ends mid-block
+        torch.zeros(0, device=DEVICE),                      # empty: no program, no position
     ]
     assert torch.equal(D.digest_sums(views).cpu(), D.reference_sums(views))
     assert torch.equal(D.digest_sums([]).cpu(), torch.zeros(2, dtype=torch.int64))
@@ -52,7 +49,7 @@ def test_every_ordinary_edit_changes_the_sums(small_slices, edit):
     c = torch.randn(17, device=DEVICE)
 
     def sums():
-        return D.digest_sums([_bytes(a), _bytes(b), _bytes(c)]).cpu()
+        return D.digest_sums([a, b, c]).cpu()
 
     before = sums()
     assert torch.equal(before, sums())  # deterministic

@@ -254,23 +254,29 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     """
     sums: dict[str, list[torch.Tensor]] = {}
     pending: dict[str, tuple[list[torch.Tensor], int]] = {}
+    on_gpu: dict[str, list[torch.Tensor]] = {}  # plain tensors per GPU, for one launch each
     fallback: list[int] = []
+    gpu_digest = _gpu_digest()
+
     def byte_views() -> Iterable[torch.Tensor]:
         # one tensor at a time: a non-contiguous weight's contiguous copy lives only while its chunks are built
         for t in tensors:
+            if (gpu_digest is not None and t.is_cuda and type(t) in (torch.Tensor, torch.nn.Parameter)
+                    and t.layout == torch.strided):
+                on_gpu.setdefault(str(t.device), []).append(t)  # the common case, kept cheap: no views built
+                continue
             parts = plain_parts(t)  # plain tensors only, or None
             if parts is None:
                 fallback.append(int(t._version))
                 continue
             for part in parts:
-                yield _plain_bytes(part)
+                if gpu_digest is not None and part.is_cuda:
+                    on_gpu.setdefault(str(part.device), []).append(part)
+                else:
+                    yield _plain_bytes(part)
 
-    on_gpu: dict[str, list[torch.Tensor]] = {}
     for data in byte_views():
         dev = str(data.device)
-        if data.device.type == "cuda" and _gpu_digest() is not None:
-            on_gpu.setdefault(dev, []).append(data)
-            continue
         pieces, size = pending.get(dev, ([], 0))
         offset = 0
         while offset < data.numel():
@@ -285,8 +291,8 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     for dev, (pieces, size) in pending.items():
         if size:
             sums.setdefault(dev, []).append(_chunk_sums(pieces))
-    for dev, views in on_gpu.items():  # one launch per GPU reads every tensor in place (ops/digest.py)
-        sums.setdefault(dev, []).append(_gpu_digest()(views))
+    for dev, parts in on_gpu.items():  # one launch per GPU reads every tensor in place (ops/digest.py)
+        sums.setdefault(dev, []).append(gpu_digest(parts))
     h = hashlib.blake2b(digest_size=16)
     for dev in sorted(sums):
         h.update(torch.stack(sums[dev]).cpu().numpy().tobytes())
