@@ -190,6 +190,9 @@ def _drop_no_op_quantized_forwards(model: torch.nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ bitsandbytes state
+_BNB_NAMES = frozenset({"quant_state", "CB", "SCB"})
+
+
 def side_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """Tensors a quantized linear computes with that are neither its parameters nor its buffers, in a fixed order:
     bitsandbytes keeps its scales as plain attributes, a 4-bit weight's in `weight.quant_state` (absmax, code,
@@ -202,6 +205,11 @@ def side_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     weight = module.__dict__.get("_parameters", {}).get("weight")
     if weight is None:
         return []
+    # bitsandbytes sets its state as instance attributes: a plain parameter without them, on a module without a
+    # `state` attribute of its own, has nothing here (checked first: this runs for every module at every call)
+    lt_state = module.__dict__.get("state")
+    if type(weight) is torch.nn.Parameter and lt_state is None and _BNB_NAMES.isdisjoint(weight.__dict__):
+        return []
     out: list[torch.Tensor] = []
     state = getattr(weight, "quant_state", None)
     for _ in range(4):  # QuantState, then its nested `state2`
@@ -209,7 +217,6 @@ def side_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
             break
         out.extend(t for t in (state.absmax, state.code, state.offset) if isinstance(t, torch.Tensor))
         state = state.state2
-    lt_state = getattr(module, "state", None)
     holders = [weight] + ([lt_state] if type(lt_state).__name__ == "MatmulLtState" else [])
     for holder in holders:
         for name in ("CB", "SCB"):

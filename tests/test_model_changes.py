@@ -841,3 +841,45 @@ def test_an_accelerated_model_saved_whole_runs_stock_in_a_fresh_process(tmp_path
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == want.tolist()
+
+
+def test_tuner_layers_and_bitsandbytes_state_are_found_on_the_class_or_the_instance():
+    """The per-call walk looks PEFT's adapter names up on the class (remembered per class) and in the instance's
+    own attributes, and bitsandbytes' side tensors only where their attributes exist: the same answers as a full
+    attribute lookup, for names set either way."""
+    from hf_accel.patches.quantization import side_tensors
+
+    from hf_accel.engine.model_state import is_tuner_layer
+
+    class Tuner(torch.nn.Linear):
+        active_adapters = ("default",)
+        disable_adapters = False
+        merged_adapters: list = []
+
+    class Partial(torch.nn.Linear):
+        active_adapters = ("default",)
+        disable_adapters = False
+
+    assert is_tuner_layer(Tuner(2, 2))
+    partial = Partial(2, 2)
+    assert not is_tuner_layer(partial)
+    partial.merged_adapters = []  # the third name on the instance only
+    assert is_tuner_layer(partial)
+    plain = torch.nn.Linear(2, 2)
+    assert not is_tuner_layer(plain)
+    plain.active_adapters, plain.disable_adapters, plain.merged_adapters = ("a",), False, []
+    assert is_tuner_layer(plain)
+
+    lin = torch.nn.Linear(3, 3)
+    assert side_tensors(lin) == []
+    scb = torch.ones(3)
+    lin.weight.SCB = scb  # an 8-bit weight's row scales, before the first forward moves them
+    assert [t is scb for t in side_tensors(lin)] == [True]
+
+    class MatmulLtState:  # bitsandbytes' state object, by class name
+        def __init__(self) -> None:
+            self.CB, self.SCB = None, torch.ones(3)
+
+    other = torch.nn.Linear(3, 3)
+    other.state = MatmulLtState()
+    assert [t is other.state.SCB for t in side_tensors(other)] == [True]

@@ -22,6 +22,8 @@ flag is not: a call in training mode with dropout runs stock (api).
 
 from __future__ import annotations
 
+import collections
+import functools
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,9 +36,23 @@ from hf_accel.patches.quantization import side_tensors
 _ODD = 0x9E3779B97F4A7C15 - (1 << 64)  # odd multiplier (int64) that spreads the position weights
 
 
+_TUNER_NAMES = ("active_adapters", "disable_adapters", "merged_adapters")
+
+
+@functools.cache
+def _tuner_names_of_class(cls: type) -> frozenset:
+    return frozenset(n for n in _TUNER_NAMES if hasattr(cls, n))
+
+
 def is_tuner_layer(m: torch.nn.Module) -> bool:
-    """PEFT tuner layers (LoRA, IA3, ...) carry an adapter state. Duck-typed: no import of peft."""
-    return hasattr(m, "active_adapters") and hasattr(m, "disable_adapters") and hasattr(m, "merged_adapters")
+    """PEFT tuner layers (LoRA, IA3, ...) carry an adapter state. Duck-typed: no import of peft. The names are
+    looked up on the class (remembered per class) and in the instance's own attributes, not through
+    `Module.__getattr__`, whose miss raises an exception: this runs for every module at every call."""
+    on_class = _tuner_names_of_class(type(m))
+    if len(on_class) == len(_TUNER_NAMES):
+        return True
+    d = m.__dict__
+    return all(n in on_class or n in d for n in _TUNER_NAMES)
 
 
 def _adapter_state(module: torch.nn.Module) -> tuple:
@@ -46,6 +62,9 @@ def _adapter_state(module: torch.nn.Module) -> tuple:
 
 
 _SCALAR_TYPES = frozenset({bool, int, float, str, type(None)})
+# what a module's own attributes mostly are besides scalars (its parameter, buffer, submodule and hook tables): no
+# tensor check needed for these exact types
+_CONTAINER_TYPES = frozenset({dict, collections.OrderedDict, set, list, tuple})
 
 
 @dataclass
@@ -115,15 +134,21 @@ def take_snapshot(model: torch.nn.Module) -> ModelSnapshot:
         for t in side_tensors(m):  # a quantized linear's scales kept outside its parameters (bitsandbytes)
             if id(t) not in seen:
                 track(t, (id(t), t.data_ptr(), t.shape, t.dtype, t.device))
-        # the training flag is left out: a call in training mode with dropout takes the stock path (api)
-        scalars = tuple((k, v) for k, v in m.__dict__.items() if type(v) in _SCALAR_TYPES and k[0] != "_"
-                        and k != "training")
-        # plain tensors held as attributes (neither parameters nor buffers), as control-vector code sets them
-        # (`module.control = vector`): the forward reads them, compiled code holds the object it traced, so
-        # replacing one rebuilds and editing one in place drops the cached prefixes
+        # one pass over the module's own attributes for two things:
+        # - public scalars (the training flag is left out: a call in training mode with dropout takes the stock
+        #   path, api);
+        # - plain tensors held as attributes (neither parameters nor buffers), as control-vector code sets them
+        #   (`module.control = vector`): the forward reads them, compiled code holds the object it traced, so
+        #   replacing one rebuilds and editing one in place drops the cached prefixes
+        scalars = []
         for k, v in m.__dict__.items():
-            if isinstance(v, torch.Tensor) and id(v) not in seen:
+            kind = type(v)
+            if kind in _SCALAR_TYPES:
+                if k[0] != "_" and k != "training":
+                    scalars.append((k, v))
+            elif kind not in _CONTAINER_TYPES and isinstance(v, torch.Tensor) and id(v) not in seen:
                 track(v, (name, k, id(v), v.data_ptr(), v.shape, v.dtype, v.device))
+        scalars = tuple(scalars)
         buffers = tuple((k, id(b), b.data_ptr(), b.dtype) for k, b in m._buffers.items() if b is not None)
         attributes.append((scalars, buffers))
         versions.extend(_version(b) for b in m._buffers.values() if b is not None)
