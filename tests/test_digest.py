@@ -76,6 +76,45 @@ def test_every_ordinary_edit_changes_the_sums(small_slices, edit):
     assert not torch.equal(after[:1], before[:1]) and not torch.equal(after[1:], before[1:]), "both sums move"
 
 
+def test_doubling_a_tensor_the_first_sum_cannot_see_is_seen_by_the_second():
+    """The first sum is linear in the position: doubling a float32 tensor (+2^23 on every word) at an offset where
+    that keeps both of its moments modulo 2^64 leaves it unchanged (module docstring); the pair still changes."""
+    torch.manual_seed(3)
+    a = torch.randn(512, 1024, device=DEVICE)
+    b = torch.rand(1024, 1024, device=DEVICE) + 1  # no zeros: every word moves by exactly 2^23
+    before = D.digest_sums([a, b]).cpu()
+    b.mul_(2)
+    after = D.digest_sums([a, b]).cpu()
+    assert torch.equal(after, D.reference_sums([a, b]))
+    assert torch.equal(after[0], before[0]), "the case the docstring describes (first sum blind)"
+    assert not torch.equal(after[1], before[1])
+
+
+def test_copies_beyond_the_budget_take_more_launches_and_the_same_sums(monkeypatch, small_slices):
+    """Tensors that must be copied first (not contiguous, odd sizes) are digested a budget's worth at a time, with
+    the stream positions running on: the sums do not change with the budget. A layout seen before reuses its
+    table; what the table points at is read afresh."""
+    monkeypatch.setattr(D, "_COPY_BUDGET", 1000)
+    torch.manual_seed(4)
+    ts = [torch.randn(30, 40, device=DEVICE).t(), torch.randn(333, device=DEVICE, dtype=torch.bfloat16),
+          torch.randn(64, 64, device=DEVICE), torch.randn(50, 20, device=DEVICE)[:, ::2], torch.randn(7, 9)[0:1, 2]]
+    ts[-1] = ts[-1].to(DEVICE)
+    assert torch.equal(D.digest_sums(ts).cpu(), D.reference_sums(ts))
+    in_place = [torch.randn(64, 64, device=DEVICE), torch.randn(128, device=DEVICE)]
+    first = D.digest_sums(in_place).cpu()
+    assert torch.equal(D.digest_sums(in_place).cpu(), first)  # from the remembered table
+    in_place[0][5, 5] += 1
+    assert torch.equal(D.digest_sums(in_place).cpu(), D.reference_sums(in_place))
+    assert not torch.equal(D.digest_sums(in_place).cpu(), first)
+
+
+def test_a_one_element_view_with_any_stride_is_read():
+    w = torch.randn(4, 8, device=DEVICE)
+    view = w[0:1, 2]  # one element, stride 8
+    assert torch.equal(D.digest_sums([view]).cpu(), D.reference_sums([view]))
+    assert model_state.weights_digest([view.cpu()]) != model_state.weights_digest([w[0:1, 3].cpu()])
+
+
 def test_weights_digest_uses_the_kernel_on_a_gpu_only(monkeypatch):
     """CUDA tensors go through the one-launch kernel; CPU tensors through the chunked torch path, as before."""
     calls = []

@@ -224,7 +224,7 @@ def _plain_bytes(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor's bytes (one of `plain_parts`) as a flat uint8 view (a copy only if it is not contiguous)."""
     t = t.detach()
     t = t if t.is_contiguous() else t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)  # a one-element view may have any stride
 
 
 def _position_weights(n: int, device: torch.device) -> torch.Tensor:
@@ -287,7 +287,7 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
         # one tensor at a time: a non-contiguous weight's contiguous copy lives only while its chunks are built
         for t in tensors:
             if (gpu_digest is not None and t.is_cuda and type(t) in (torch.Tensor, torch.nn.Parameter)
-                    and t.layout == torch.strided):
+                    and t.layout == torch.strided and not t.is_quantized):
                 on_gpu.setdefault(str(t.device), []).append(t)  # the common case, kept cheap: no views built
                 continue
             parts = plain_parts(t)  # plain tensors only, or None
