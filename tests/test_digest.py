@@ -133,3 +133,16 @@ def test_weights_digest_uses_the_kernel_on_a_gpu_only(monkeypatch):
     assert calls == ([2] if ON_GPU else [])
     ts[1][2] += 1
     assert model_state.weights_digest(ts) != d1
+
+
+def test_cpu_chunk_sums_are_the_torch_reductions():
+    """On the CPU the chunk path sums with numpy (faster there): the same two numbers as torch's reductions."""
+    torch.manual_seed(5)
+    pieces = [torch.randn(3000).view(torch.uint8), torch.randint(0, 255, (4099,), dtype=torch.uint8)]
+    flat = torch.cat(pieces)
+    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % (4 * model_state._COLUMNS))])
+    words = flat.view(torch.int32).view(-1, model_state._COLUMNS)
+    rows, cols = words.sum(dim=1, dtype=torch.int64), words.sum(dim=0, dtype=torch.int64)
+    want = torch.stack([(rows * model_state._position_weights(rows.numel(), rows.device)).sum(),
+                        (cols * model_state._position_weights(model_state._COLUMNS, cols.device)).sum()])
+    assert torch.equal(model_state._chunk_sums(pieces), want)
