@@ -208,6 +208,10 @@ def side_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     # bitsandbytes sets its state as instance attributes: a plain parameter without them, on a module without a
     # `state` attribute of its own, has nothing here (checked first: this runs for every module at every call)
     lt_state = module.__dict__.get("state")
+    if lt_state is None:
+        cls = type(module)
+        if hasattr(cls, "state") or cls.__getattr__ is not torch.nn.Module.__getattr__:
+            lt_state = getattr(module, "state", None)  # a property, a class attribute, a forwarded name
     if type(weight) is torch.nn.Parameter and lt_state is None and _BNB_NAMES.isdisjoint(weight.__dict__):
         return []
     out: list[torch.Tensor] = []

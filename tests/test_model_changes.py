@@ -883,3 +883,30 @@ def test_tuner_layers_and_bitsandbytes_state_are_found_on_the_class_or_the_insta
     other = torch.nn.Linear(3, 3)
     other.state = MatmulLtState()
     assert [t is other.state.SCB for t in side_tensors(other)] == [True]
+
+    class StateByProperty(torch.nn.Linear):  # `state` read through the class, not the instance dict
+        @property
+        def state(self):
+            return self._lt
+
+    by_property = StateByProperty(3, 3)
+    by_property._lt = MatmulLtState()
+    assert [t is by_property._lt.SCB for t in side_tensors(by_property)] == [True]
+
+    class Lazy(torch.nn.Linear):  # the names exist on the class but cannot be read on this instance
+        @property
+        def active_adapters(self):
+            raise AttributeError("not set up")
+
+        disable_adapters = False
+        merged_adapters: list = []
+
+    assert not is_tuner_layer(Lazy(2, 2))
+
+    class Later(torch.nn.Linear):
+        pass
+
+    later = Later(2, 2)
+    assert not is_tuner_layer(later)
+    Later.active_adapters, Later.disable_adapters, Later.merged_adapters = ("a",), False, []  # a class changed
+    assert is_tuner_layer(later)

@@ -23,7 +23,6 @@ flag is not: a call in training mode with dropout runs stock (api).
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,22 +37,25 @@ _ODD = 0x9E3779B97F4A7C15 - (1 << 64)  # odd multiplier (int64) that spreads the
 
 
 _TUNER_NAMES = ("active_adapters", "disable_adapters", "merged_adapters")
-
-
-@functools.cache
-def _tuner_names_of_class(cls: type) -> frozenset:
-    return frozenset(n for n in _TUNER_NAMES if hasattr(cls, n))
+_MODULE_GETATTR = torch.nn.Module.__getattr__
 
 
 def is_tuner_layer(m: torch.nn.Module) -> bool:
-    """PEFT tuner layers (LoRA, IA3, ...) carry an adapter state. Duck-typed: no import of peft. The names are
-    looked up on the class (remembered per class) and in the instance's own attributes, not through
-    `Module.__getattr__`, whose miss raises an exception: this runs for every module at every call."""
-    on_class = _tuner_names_of_class(type(m))
-    if len(on_class) == len(_TUNER_NAMES):
-        return True
+    """PEFT tuner layers (LoRA, IA3, ...) carry an adapter state. Duck-typed: no import of peft.
+
+    This runs for every module at every call, so most modules are rejected without `Module.__getattr__` (whose
+    miss raises an exception): a name neither in the instance's own attributes nor on the class. A candidate is
+    confirmed through the instance (a property may raise AttributeError, a slot may be unset), and a class with its
+    own `__getattr__` (a wrapper forwarding names) takes the full lookup. Nothing is remembered per class: a class
+    may gain the names later."""
+    cls = type(m)
+    if cls.__getattr__ is not _MODULE_GETATTR:
+        return all(hasattr(m, n) for n in _TUNER_NAMES)
     d = m.__dict__
-    return all(n in on_class or n in d for n in _TUNER_NAMES)
+    for n in _TUNER_NAMES:
+        if n not in d and not hasattr(cls, n):
+            return False
+    return all(hasattr(m, n) for n in _TUNER_NAMES)
 
 
 def _adapter_state(module: torch.nn.Module) -> tuple:
