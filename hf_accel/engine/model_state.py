@@ -273,8 +273,9 @@ def _gpu_digest():
 def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     """A digest of the tensors' contents, exact at the bit level for any single changed element.
 
-    On a GPU, one kernel launch per device reads every tensor in place and folds its int32 words with two sets of
-    position weights (`ops.digest`; there, a non-contiguous tensor's contiguous copy lives until that launch).
+    On a GPU, one kernel launch per device reads each tensor where it lies and folds its int32 words with two sets
+    of position weights (`ops.digest`; a non-contiguous or unaligned tensor is copied first, up to 256 MiB of
+    copies per launch).
     Elsewhere (and without triton), the tensors' bytes, in order, are cut into chunks of 256 MiB, each read as a
     matrix of int32 words with 1,024 columns; per chunk, the row sums and the column sums are accumulated in int64
     (exact) and folded with position weights. Changing one element changes its row's sum; moving values between
@@ -292,7 +293,7 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     gpu_digest = _gpu_digest()
 
     def byte_views() -> Iterable[torch.Tensor]:
-        # one tensor at a time: a non-contiguous weight's contiguous copy lives only while its chunks are built
+        # one tensor at a time: on the chunk path, a non-contiguous weight's copy lives only while its chunks are built
         for t in tensors:
             if (gpu_digest is not None and t.is_cuda and type(t) in (torch.Tensor, torch.nn.Parameter)
                     and t.layout == torch.strided and not t.is_quantized):
@@ -324,7 +325,7 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     for dev, (pieces, size) in pending.items():
         if size:
             sums.setdefault(dev, []).append(_chunk_sums(pieces))
-    for dev, parts in on_gpu.items():  # one launch per GPU reads every tensor in place (ops/digest.py)
+    for dev, parts in on_gpu.items():  # one launch per GPU (ops/digest.py)
         sums.setdefault(dev, []).append(gpu_digest(parts))
     h = hashlib.blake2b(digest_size=16)
     for dev in sorted(sums):
