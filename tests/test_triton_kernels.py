@@ -106,9 +106,10 @@ def spec_of(step: Step) -> AttentionSpec:
 
 
 def make_backend(step: Step, num_kv_splits: int | None = None, decode_block_n: int | None = None,
-                 max_num_seqs: int = 8, **kw) -> TritonAttentionBackend:
+                 max_num_seqs: int = 8, fused_split_reductions: bool = True) -> TritonAttentionBackend:
     be = TritonAttentionBackend(spec_of(step), step.query.device, step.meta.block_size, max_num_seqs,
-                                step.query.shape[0], step.max_blocks_per_seq, num_kv_splits=num_kv_splits, **kw)
+                                step.query.shape[0], step.max_blocks_per_seq, num_kv_splits=num_kv_splits)
+    be.fused_split_reductions = fused_split_reductions  # as the engine sets it
     if decode_block_n is not None:
         be.decode_config = TileConfig(16, decode_block_n, 4, 2)
     return be

@@ -67,11 +67,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec, device: torch.device, block_size: int, max_num_seqs: int,
                  max_num_tokens: int, max_blocks_per_seq: int, *, num_sms: int | None = None,
-                 num_kv_splits: int | None = None, fused_split_reductions: bool = True) -> None:
+                 num_kv_splits: int | None = None) -> None:
         """`num_sms` overrides the SM count used to size split-KV decode; `num_kv_splits` forces the split count
-        for every decode batch (testing and tuning; 1 disables split-KV). `fused_split_reductions`: split-KV decode
-        merges its partials (and writes the new K/V) in the same launch (kernels/split_kv_decode.py; the engine sets
-        it from `AccelConfig.fused_split_reductions`; False: a KV write and a merge kernel beside it)."""
+        for every decode batch (testing and tuning; 1 disables split-KV). With `fused_split_reductions` (the base
+        class's flag, set by the engine) split-KV decode merges its partials and writes the new K/V in the same
+        launch (kernels/split_kv_decode.py); without, a KV write and a merge kernel run beside it."""
         super().__init__(spec, device, block_size, max_num_seqs, max_num_tokens, max_blocks_per_seq)
         from hf_accel.attention.kernels import kv_write, split_kv_decode, unified_attention
 
@@ -96,7 +96,6 @@ class TritonAttentionBackend(AttentionBackend):
         # one ticket counter per (sequence, KV head); the last split of each sets its counter back to zero
         self._merge_counters = torch.zeros(max_num_seqs * spec.num_kv_heads if self._split_rows else 1,
                                            dtype=torch.int32, device=device)
-        self.fused_split_reductions = fused_split_reductions
         self._planned_meta: StepMetadata | None = None
         self._planned_splits = 1
 

@@ -192,6 +192,7 @@ def _inner_layout(p: torch.Tensor) -> tuple:
     return tuple(out)
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _CHUNK_BYTES = 256 << 20  # bytes summed per reduction: few kernel launches, a bounded temporary
 _COLUMNS = 1024  # int32 words per row of a chunk
 
@@ -200,10 +201,12 @@ def plain_parts(t: torch.Tensor) -> list[torch.Tensor] | None:
     """The plain tensors holding `t`'s data: itself; a tensor-parallel rank's own shard; a quantized tensor
     subclass's inner tensors (packed data, scales, zero points: `__tensor_flatten__`), so in-place writes to those
     are seen even though they leave the outer version counter alone. None when there are none to read."""
+    if type(t) in _PLAIN_TYPES and t.layout == torch.strided and not (t.is_quantized or t.is_meta):
+        return [t]  # the common case (every weight, every call), kept cheap: no detached view built
     t = local_tensor(t.detach())
     if t.is_meta or t.layout != torch.strided or t.is_quantized:  # no plain bytes to read: the version counts
         return None
-    if type(t) in (torch.Tensor, torch.nn.Parameter):
+    if type(t) in _PLAIN_TYPES:
         return [t]
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is None:
@@ -295,10 +298,6 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> bytes:
     def byte_views() -> Iterable[torch.Tensor]:
         # one tensor at a time: on the chunk path, a non-contiguous weight's copy lives only while its chunks are built
         for t in tensors:
-            if (gpu_digest is not None and t.is_cuda and type(t) in (torch.Tensor, torch.nn.Parameter)
-                    and t.layout == torch.strided and not t.is_quantized):
-                on_gpu.setdefault(str(t.device), []).append(t)  # the common case, kept cheap: no views built
-                continue
             parts = plain_parts(t)  # plain tensors only, or None
             if parts is None:
                 fallback.append(int(t._version))

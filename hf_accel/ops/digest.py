@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -98,23 +99,52 @@ def _aligned_words(t: torch.Tensor) -> torch.Tensor:
     return padded.view(torch.int32)
 
 
-def _table(device: torch.device, addresses: list[int], words: list[int], position: int, cache: bool) -> torch.Tensor:
+def _batches(tensors: list[torch.Tensor]) -> Iterator[tuple[list[int], list[int], list[torch.Tensor]]]:
+    """The tensors as runs of words to read, (addresses, word counts, copies holding some of them), one batch per
+    launch: all of them, unless the tensors that must be copied first (not contiguous, or not 16-byte aligned and a
+    whole number of 16 bytes) pass `_COPY_BUDGET` together. A copy lives until its batch's launch is queued (the
+    allocator reuses its memory only after that launch, in stream order)."""
+    addresses: list[int] = []
+    words: list[int] = []
+    copies: list[torch.Tensor] = []
+    copied = 0
+    for t in tensors:
+        if _in_place(t):
+            addresses.append(t.data_ptr())
+            words.append(t.nbytes // 4)
+            continue
+        if copies and copied + t.nbytes > _COPY_BUDGET:
+            yield addresses, words, copies
+            addresses, words, copies, copied = [], [], [], 0
+        copy = _aligned_words(t)
+        assert copy.data_ptr() % _ALIGN == 0, "the allocator returned an address the kernel's vector loads cannot read"
+        copies.append(copy)
+        copied += copy.nbytes
+        addresses.append(copy.data_ptr())
+        words.append(copy.numel())
+    yield addresses, words, copies
+
+
+def _table(addresses: list[int], words: list[int], position: int, device: torch.device) -> torch.Tensor:
     """The kernel's table for these runs of words, the first at stream `position` (module docstring)."""
-    key = (str(device), position, tuple(addresses), tuple(words)) if cache else None
-    if key is not None:
-        with _tables_lock:
-            found = _tables.get(key)
-        if found is not None:
-            return found
     base = np.asarray(addresses, dtype=np.int64)
     n = np.asarray(words, dtype=np.int64)
-    slices = -(-n // SLICE_WORDS)  # per tensor; 0 for an empty one
+    slices = -(-n // SLICE_WORDS)  # per run; 0 for an empty one
     first = position + np.cumsum(n) - n
     owner = np.repeat(np.arange(n.size), slices)
     start = (np.arange(int(slices.sum())) - np.repeat(np.cumsum(slices) - slices, slices)) * SLICE_WORDS
     rows = np.stack([base[owner] + 4 * start, np.minimum(SLICE_WORDS, n[owner] - start), first[owner] + start])
-    table = torch.from_numpy(rows).to(device)
-    if key is not None:
+    return torch.from_numpy(rows).to(device)
+
+
+def _remembered_table(addresses: list[int], words: list[int], device: torch.device) -> torch.Tensor:
+    """`_table` from stream position 0, kept per (device, runs): a model whose tensors stay where they are builds
+    its table once. Only for tensors read in place (a copy's address is new every call)."""
+    key = (str(device), tuple(addresses), tuple(words))
+    with _tables_lock:
+        table = _tables.get(key)
+    if table is None:
+        table = _table(addresses, words, 0, device)
         with _tables_lock:
             if len(_tables) >= _MAX_TABLES:
                 _tables.clear()
@@ -125,50 +155,23 @@ def _table(device: torch.device, addresses: list[int], words: list[int], positio
 def digest_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The two int64 sums (module docstring) of the plain tensors `tensors`, all on one device, taken in order as
     one stream of words (each tensor's bytes zero-padded to a multiple of 16); an int64 tensor of 2 on that device.
-    One kernel launch for all of them, unless the tensors that must be copied first (not contiguous, or not 16-byte
-    aligned and a whole number of 16 bytes) pass `_COPY_BUDGET` together: then a launch per budget's worth."""
+    One kernel launch for all of them, or one per `_batches` batch when copies pass the budget."""
     assert SLICE_WORDS % (_ALIGN // 4) == 0, "slices must start on 16-byte boundaries"
     if not tensors:
         return torch.zeros(2, dtype=torch.int64)
     device = tensors[0].device
     total = torch.zeros(2, dtype=torch.int64, device=device)
-    addresses: list[int] = []
-    words: list[int] = []
-    keep: list[torch.Tensor] = []  # copies, alive until their launch is queued (reused only after it, in order)
-    kept_bytes = 0
-    position = 0  # stream position of the first word of the runs gathered so far
-    launches = 0
-
-    def launch() -> None:
-        nonlocal position, launches, total
+    position = 0  # stream position of the batch's first word
+    for addresses, words, copies in _batches(tensors):
         if sum(words):
-            table = _table(device, addresses, words, position, cache=not keep and launches == 0)
+            table = (_remembered_table(addresses, words, device) if position == 0 and not copies
+                     else _table(addresses, words, position, device))
             programs = table.shape[1]
             out = torch.empty((2, programs), dtype=torch.int64, device=device)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 _digest_kernel[(programs,)](table, out, A=_A, B=_B, BLOCK=_BLOCK)
-            total = total + out.sum(dim=1)
+            total += out.sum(dim=1)
         position += sum(words)
-        launches += 1
-        addresses.clear()
-        words.clear()
-        keep.clear()
-
-    for t in tensors:
-        if _in_place(t):
-            base, n = t.data_ptr(), t.nbytes // 4
-        else:
-            if keep and kept_bytes + t.nbytes > _COPY_BUDGET:
-                launch()
-                kept_bytes = 0
-            copy = _aligned_words(t)
-            keep.append(copy)
-            kept_bytes += copy.nbytes
-            base, n = copy.data_ptr(), copy.numel()
-            assert base % _ALIGN == 0, "the allocator returned an address the kernel's vector loads cannot read"
-        addresses.append(base)
-        words.append(n)
-    launch()
     return total
 
 
