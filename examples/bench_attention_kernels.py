@@ -111,13 +111,16 @@ def time_call(fn: Callable[[], object], reps: int, samples: int) -> tuple[float,
 
 
 def triton_impl(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, max_blocks: int,
-                force_splits: int | None = None, unified_config=None, decode_config=None) -> Callable[[], None]:
+                force_splits: int | None = None, unified_config=None, decode_config=None,
+                min_tiles: int | None = None) -> Callable[[], None]:
     from hf_accel.attention.triton_backend import TritonAttentionBackend
 
     spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE)
     be = TritonAttentionBackend(spec, torch.device(DEVICE), BLOCK_SIZE, 256, 8192, max_blocks,
                                 num_kv_splits=force_splits)
     be.unified_config, be.decode_config = unified_config, decode_config
+    if min_tiles is not None:
+        be.min_tiles_per_split = min_tiles
     be.prepare(case.meta)
     scale = HEAD_DIM**-0.5
     return lambda: be.forward(case.query, k_cache, v_cache, case.meta, out, scale, 0, 0.0)
@@ -129,7 +132,7 @@ def triton_path(case: Case, max_blocks: int) -> str:
     spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE)
     be = TritonAttentionBackend(spec, torch.device(DEVICE), BLOCK_SIZE, 256, 8192, max_blocks)
     splits = be.splits_for_step(case.meta)
-    return f"split{splits}" if splits > 1 else "unified"
+    return f"split{splits}" if splits > 1 else "decode" if splits == 1 else "unified"
 
 
 _workspace: torch.Tensor | None = None
@@ -209,6 +212,9 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=7, help="graph replays timed (median reported)")
     ap.add_argument("--only", nargs="*", help="implementations to run (triton, triton-unified, flashinfer, fa4)")
     ap.add_argument("--sweep", action="store_true", help="also time alternative Triton tile shapes")
+    ap.add_argument("--decode-study", action="store_true",
+                    help="only the W1/W2 decode shapes (batch 1 and 64 at contexts 128-384): the unified kernel, the "
+                         "decode kernel unsplit and split, minimum tiles per split, decode tiles")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -227,6 +233,8 @@ def main() -> int:
             else:
                 libs[name] = LIBRARIES[name]
 
+    if args.decode_study:
+        return decode_study(args, gen)
     max_blocks = -(-max(max(DECODE_CONTEXTS), max(PREFILL_TOKENS)) // BLOCK_SIZE)
     num_blocks = max(DECODE_BATCHES) * max_blocks + 1  # block 0 stays the null block
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -264,7 +272,7 @@ def run_case(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor, max_block
         makers.append(("triton", lambda o: triton_impl(case, k_cache, v_cache, o, max_blocks), path))
     if "triton-unified" in wanted and path != "unified":
         makers.append(("triton-unified",
-                       lambda o: triton_impl(case, k_cache, v_cache, o, max_blocks, force_splits=1), ""))
+                       lambda o: triton_impl(case, k_cache, v_cache, o, max_blocks, force_splits=0), ""))
     for name, make in libs.items():
         makers.append((name, lambda o, make=make: make(case, k_cache, v_cache, o), ""))
 
@@ -325,6 +333,53 @@ def sweep(k_cache: torch.Tensor, v_cache: torch.Tensor, num_blocks: int, max_blo
             rows.append(row)
             print("  " + fmt_row(row), flush=True)
     return rows
+
+
+def decode_study(args: argparse.Namespace, gen: torch.Generator) -> int:
+    """The W1 / W2 decode shapes: which kernel, split count, minimum tiles per split and tile serve them best.
+    Capacity as in the engine for qwen3-0.6b (40,960 tokens per sequence: the split count is chosen for it)."""
+    from hf_accel.attention.kernels.common import TileConfig
+
+    max_blocks = 40960 // BLOCK_SIZE
+    num_blocks = 64 * (1024 // BLOCK_SIZE) + 1
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_()
+    v_cache = torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_()
+    print(f"device: {torch.cuda.get_device_name()}  decode study, capacity {max_blocks * BLOCK_SIZE} tokens")
+    variants: dict[int, list[tuple[str, dict]]] = {
+        1: [("unified", dict(force_splits=0)), ("decode unsplit", dict(force_splits=1))]
+        + [(f"auto splits, min tiles {t}", dict(min_tiles=t)) for t in (1, 2, 3, 4, 6, 8)],
+        64: [("unified", dict(force_splits=0))]
+        + [(f"decode {s} split(s), min tiles {t}", dict(force_splits=s, min_tiles=t))
+           for s in (1, 2, 4) for t in ((1,) if s == 1 else (1, 2))]
+        + [(f"decode unsplit {c}", dict(force_splits=1, decode_config=c))
+           for c in (TileConfig(16, 32, 4, 4), TileConfig(16, 128, 4, 2), TileConfig(16, 64, 4, 2),
+                     TileConfig(16, 64, 8, 3), TileConfig(16, 64, 2, 3))],
+    }
+    rows = []
+    for batch, ctxs in ((1, (128, 256, 384)), (64, (128, 256, 384))):
+        for ctx in ctxs:
+            case = make_case("decode", batch, ctx, num_blocks, gen)
+            ref = None
+            for name, kw in variants[batch]:
+                out = torch.zeros_like(case.query)
+                try:
+                    secs, how = time_call(triton_impl(case, k_cache, v_cache, out, max_blocks, **kw), args.reps,
+                                          args.samples)
+                except Exception as exc:
+                    print(f"  {batch}x{ctx} {name}: failed ({exc.__class__.__name__}: {exc})")
+                    continue
+                ref = out if ref is None else ref
+                diff = (out.float() - ref.float()).abs().max().item()
+                row = dict(kind="decode", batch=batch, ctx=ctx, impl=name, us=secs * 1e6,
+                           gbps=case.bytes_moved / secs / 1e9, tflops=0.0, max_abs_diff=diff, note=how, timing=how)
+                rows.append(row)
+                print(f"decode {batch:3d} x {ctx:4d}  {name:60s} {secs * 1e6:8.2f} us  "
+                      f"{row['gbps']:6.0f} GB/s  diff {diff:.1e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    return 0
 
 
 def summary_table(rows: list[dict]) -> str:

@@ -98,6 +98,11 @@ class AccelConfig:
     # The small-M GEMM's tuning times the fused form either way, so False keeps the tile choices (an A/B of the
     # reduction alone)
     fused_split_reductions: bool = True
+    # the Triton backend runs every uniform decode step (one query token per sequence) through its decode kernel:
+    # one program per (sequence, KV head) found by index, not by searching the batch, writing the new K/V and the
+    # output itself; split over more programs where the batch alone would leave SMs idle. False: decode batches too
+    # wide to split run the unified kernel, as before this option (the A/B)
+    decode_attention_kernel: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

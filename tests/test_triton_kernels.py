@@ -254,7 +254,8 @@ def test_graph_padded_rows_unified(pad_tokens):
 
 def test_decode_unified_path():
     step = make_step([1] * 5, [0, 15, 16, 47, 90], seed=11)
-    be = make_backend(step, num_kv_splits=1)
+    be = make_backend(step, num_kv_splits=0)
+    assert be.splits_for_step(step.meta) == 0
     check(step, be)
     check(step, be, window=10, softcap=2.0)
 
@@ -348,6 +349,48 @@ def test_split_kv_decode_fused_merge_only_where_rows_are_sequences():
     assert (be._merge_counters == 7).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (0, 2.5)])
+@pytest.mark.parametrize("pad_seqs", [0, 2])
+def test_unsplit_decode_kernel(dtype, window, softcap, pad_seqs):
+    """One program per (sequence, KV head), output written directly: against the reference, graph-padded rows zeros,
+    and the new K/V it writes itself equal to the KV write kernel's (slot -1 skipped), for either merge setting."""
+    step = make_step([1] * 4, [0, 11, 70, 129], pad_seqs=pad_seqs, pad_tokens=pad_seqs, dtype=dtype, seed=31)
+    slot = step.meta.slot_mapping[2].item()
+    step.meta.slot_mapping[2] = -1  # a token that must not be cached
+    scale = step.query.shape[-1] ** -0.5
+    for fused in (True, False):
+        be = make_backend(step, num_kv_splits=1, decode_block_n=16, fused_split_reductions=fused)
+        assert be.splits_for_step(step.meta) == 1
+        want_caches, got_caches = [], []
+        want = run_triton(step, be, scale, window, softcap, separate=True, caches=want_caches)
+        got = run_triton(step, be, scale, window, softcap, caches=got_caches)
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+        for g, w in zip(got_caches, want_caches, strict=True):
+            assert torch.equal(g.nan_to_num(123.0), w.nan_to_num(123.0))
+        step.meta.slot_mapping[2] = slot  # against the reference, seq 2's own key must be written
+        check(step, be, window=window, softcap=softcap)
+        step.meta.slot_mapping[2] = -1
+
+
+@pytest.mark.parametrize("min_tiles", [2, 3, 8])
+def test_split_kv_decode_min_tiles_per_split(min_tiles):
+    """Each split covers at least `min_tiles` tiles: short sequences use fewer splits (one: written directly when
+    the merge is fused), long ones all of them. Results equal the reference, every ticket counter is zero again, and
+    the fused launch equals the merge kernel's result on the same splits."""
+    step = make_step([1] * 5, [0, 20, 47, 100, 200], pad_seqs=1, pad_tokens=1, seed=32)
+    fused = make_backend(step, num_kv_splits=4, decode_block_n=16)
+    plain = make_backend(step, num_kv_splits=4, decode_block_n=16, fused_split_reductions=False)
+    fused.min_tiles_per_split = plain.min_tiles_per_split = min_tiles
+    for _ in range(2):
+        check(step, fused)
+        assert not fused._merge_counters.any()
+    check(step, plain)
+    check(step, fused, window=40)
+    scale = step.query.shape[-1] ** -0.5
+    _same_merge(run_triton(step, fused, scale, 0, 0.0), run_triton(step, plain, scale, 0, 0.0))
+
+
 def test_split_kv_decode_auto_choice_on_small_batch():
     step = make_step([1, 1], [40, 90], seed=15)
     be = make_backend(step, decode_block_n=16)
@@ -374,12 +417,18 @@ def test_launch_ignores_per_step_host_values(splits):
 def test_path_choice_depends_on_batch_shape_only():
     step = make_step([1], [10], num_kv_heads=8, num_heads=16, head_dim=16)
     be = TritonAttentionBackend(spec_of(step), DEVICE, 16, 256, 256, 2048, num_sms=132)
-    def splits(num_seqs: int) -> int:
-        return be.splits_for_step(dataclasses.replace(step.meta, seq_lens=torch.zeros(num_seqs, dtype=torch.int32)))
+    def splits(num_seqs: int, num_rows: int | None = None) -> int:
+        return be.splits_for_step(dataclasses.replace(
+            step.meta, seq_lens=torch.zeros(num_seqs, dtype=torch.int32),
+            slot_mapping=torch.full((num_rows or num_seqs,), -1, dtype=torch.int64)))
 
     assert all(splits(n) > 1 for n in (1, 4, 16))
-    assert all(splits(n) == 1 for n in (64, 256))
-    assert be.splits_for_step(dataclasses.replace(step.meta, max_query_len=2)) == 1
+    assert all(splits(n) == 1 for n in (64, 256))  # the decode kernel, unsplit
+    assert splits(64, 72) == 0  # more query rows than sequences (piecewise padding): the unified kernel zeroes them
+    assert be.splits_for_step(dataclasses.replace(step.meta, max_query_len=2)) == 0  # the unified kernel
+    be.decode_kernel = False  # the A/B switch: wide decode batches take the unified kernel, small ones still split
+    assert all(splits(n) > 1 for n in (1, 4, 16))
+    assert all(splits(n) == 0 for n in (64, 256))
 
 
 def test_full_graph_capture_variant_follows_the_split_count():
@@ -429,7 +478,7 @@ def _rand_lens(gen: torch.Generator, n: int, lo: int, hi: int) -> list[int]:
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("batch,max_ctx", [(1, 32768), (7, 16384), (64, 4096)])
-@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("splits", [None, 0, 1])
 def test_gpu_decode_bf16(head_dim, block_size, batch, max_ctx, splits):
     gen = torch.Generator().manual_seed(head_dim + block_size + batch)
     ctx = _rand_lens(gen, batch, 0, max_ctx - 1)

@@ -187,6 +187,9 @@ class AttentionBackend:
         # kernels that split work reduce it in the same launch where they can (AccelConfig.fused_split_reductions;
         # the engine sets it)
         self.fused_split_reductions = True
+        # uniform decode steps of any batch size run a decode-only kernel where the backend has one
+        # (AccelConfig.decode_attention_kernel; the engine sets it)
+        self.decode_kernel = True
 
     def prepare(self, meta: StepMetadata) -> None:
         """Once per step, before the forward (and outside any CUDA graph capture): build backend state."""

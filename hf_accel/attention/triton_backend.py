@@ -69,9 +69,11 @@ class TritonAttentionBackend(AttentionBackend):
                  max_num_tokens: int, max_blocks_per_seq: int, *, num_sms: int | None = None,
                  num_kv_splits: int | None = None) -> None:
         """`num_sms` overrides the SM count used to size split-KV decode; `num_kv_splits` forces the split count
-        for every decode batch (testing and tuning; 1 disables split-KV). With `fused_split_reductions` (the base
-        class's flag, set by the engine) split-KV decode merges its partials and writes the new K/V in the same
-        launch (kernels/split_kv_decode.py); without, a KV write and a merge kernel run beside it."""
+        for every decode batch (testing and tuning; 1: the decode kernel without splitting, 0: the unified kernel).
+        With `fused_split_reductions` (the base class's flag, set by the engine) split-KV decode merges its partials
+        and writes the new K/V in the same launch (kernels/split_kv_decode.py); without, a KV write and a merge
+        kernel run beside it. With `decode_kernel` (the base class's flag, set by the engine) every uniform decode
+        step runs the decode kernel, unsplit where the batch fills the GPU; without, those run the unified kernel."""
         super().__init__(spec, device, block_size, max_num_seqs, max_num_tokens, max_blocks_per_seq)
         from hf_accel.attention.kernels import kv_write, split_kv_decode, unified_attention
 
@@ -86,6 +88,7 @@ class TritonAttentionBackend(AttentionBackend):
         # Tile overrides (None: the kernels' defaults); the benchmark's sweep and the tests set these.
         self.unified_config: TileConfig | None = None
         self.decode_config: TileConfig | None = None
+        self.min_tiles_per_split = self._split.MIN_TILES_PER_SPLIT
 
         # Scratch for split-KV partials, sized for the largest (padded batch x splits) any decode batch can use.
         self._split_rows = max((s * self._num_splits_for(s) for s in range(1, max_num_seqs + 1)
@@ -97,16 +100,18 @@ class TritonAttentionBackend(AttentionBackend):
         self._merge_counters = torch.zeros(max_num_seqs * spec.num_kv_heads if self._split_rows else 1,
                                            dtype=torch.int32, device=device)
         self._planned_meta: StepMetadata | None = None
-        self._planned_splits = 1
+        self._planned_splits = 0
 
     def _num_splits_for(self, num_seqs: int) -> int:
-        """Split count for a decode batch of `num_seqs` (padded) sequences; 1 = unified kernel."""
+        """Split count for a decode batch of `num_seqs` (padded) sequences: >= 1 the decode kernel with that many
+        splits, 0 the unified kernel."""
         if self.forced_num_splits is not None:
-            return max(1, self.forced_num_splits)
+            return max(0, self.forced_num_splits)
         cfg = self.decode_config or self._split.decode_tile_config(self.spec.head_dim,
                                                                    self.spec.num_heads // self.spec.num_kv_heads)
-        return self._split.choose_num_splits(num_seqs, self.spec.num_kv_heads,
-                                             self.max_blocks_per_seq * self.block_size, cfg.block_n, self.num_sms)
+        splits = self._split.choose_num_splits(num_seqs, self.spec.num_kv_heads,
+                                               self.max_blocks_per_seq * self.block_size, cfg.block_n, self.num_sms)
+        return splits if splits > 1 or self.decode_kernel else 0
 
     def capture_variant(self, num_seqs: int, uniform_decode: bool) -> Hashable:
         """A uniform-decode graph's kernels follow its split count (the merge kernel's split constants); the split-KV
@@ -115,13 +120,16 @@ class TritonAttentionBackend(AttentionBackend):
         return ("splits", self._num_splits_for(num_seqs)) if uniform_decode else ("size", num_seqs)
 
     def splits_for_step(self, meta: StepMetadata) -> int:
-        """KV splits this step will use: > 1 is the split-KV decode path, 1 the unified kernel."""
+        """KV splits this step will use in the decode kernel (1: one program per sequence and KV head), or 0: the
+        unified kernel (steps with longer queries, and decode steps the decode kernel cannot take)."""
         if meta.max_query_len != 1:
-            return 1
+            return 0
         num_seqs = meta.seq_lens.shape[0]
         splits = self._num_splits_for(num_seqs)
         if splits > 1 and num_seqs * splits > self._split_rows:
-            return 1  # a batch larger than max_num_seqs: no scratch for it, the unified kernel is always right
+            return 0  # a batch larger than max_num_seqs: no scratch for it, the unified kernel is always right
+        if splits == 1 and meta.slot_mapping.shape[0] != num_seqs:
+            return 0  # query rows that belong to no sequence (a piecewise-padded step): the unified kernel zeroes them
         return splits
 
     def prepare(self, meta: StepMetadata) -> None:
@@ -144,7 +152,7 @@ class TritonAttentionBackend(AttentionBackend):
         (no KV write kernel); every other step writes them first, then attends."""
         splits = self._splits(meta)
         new_kv = (key, value, meta.slot_mapping)
-        if splits == 1:
+        if splits == 0:
             self.write_kv(key, value, k_cache, v_cache, meta)
             new_kv = None
         self._attend(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, splits, new_kv)
@@ -160,12 +168,13 @@ class TritonAttentionBackend(AttentionBackend):
     def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
                 output: torch.Tensor, scale: float, sliding_window: int, softcap: float, splits: int,
                 new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
-        """The split-KV path (`new_kv`: the step's new rows, written by it) or the unified kernel."""
-        if splits > 1:
+        """The decode kernel (`new_kv`: the step's new rows, written by it) or the unified kernel."""
+        if splits >= 1:
             self._split.split_kv_decode(
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
                 self.use_pdl, self._merge_counters if self.fused_split_reductions else None, new_kv,
+                self.min_tiles_per_split,
             )
         else:
             self._unified.unified_attention(

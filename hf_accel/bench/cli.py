@@ -203,6 +203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--fused-split-reductions", action=argparse.BooleanOptionalAction, default=None,
                    help="split-KV attention and split-K GEMMs reduce in the same launch (default: on); "
                         "--no-fused-split-reductions for the A/B")
+    a.add_argument("--decode-attention-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="the triton backend's decode kernel for every decode batch (default: on); "
+                        "--no-decode-attention-kernel runs wide decode batches through the unified kernel")
     a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="read the traced forward back from the compile cache (default: on); "
                         "--no-reuse-traced-graph traces every start")

@@ -149,6 +149,7 @@ class LLMEngine:
                         "exposes it; running without")
         self.backend.use_pdl = self.use_pdl
         self.backend.fused_split_reductions = cfg.fused_split_reductions
+        self.backend.decode_kernel = cfg.decode_attention_kernel
         if cfg.compile or cfg.cudagraph_mode.value != "none":
             try:
                 self.compile_info = self.runner.enable_compilation(

@@ -36,21 +36,27 @@ MAX_SPLITS = 64
 # Split only while the plain grid would leave the GPU under-filled, and aim for about this many programs per SM.
 SPLIT_BELOW_PROGRAMS_PER_SM = 2
 TARGET_PROGRAMS_PER_SM = 4
+# a split covers at least this many BLOCK_N tiles: the split count is chosen for the longest context a sequence may
+# have, and a short one is better served by fewer programs that skip the merge (measured on the H200: CHANGELOG)
+MIN_TILES_PER_SPLIT = 1
 
 
-@triton.jit(do_not_specialize=["window", "num_splits"])
+@triton.jit(do_not_specialize=["window", "num_splits", "min_tiles"])
 def _split_kv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr,
     block_tables_ptr, out_ptr, counters_ptr, new_k_ptr, new_v_ptr, slot_mapping_ptr,
-    scale, softcap, window, num_splits,
+    scale, softcap, window, num_splits, min_tiles,
     stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_po_seq, stride_po_split, stride_po_head, stride_pl_seq, stride_pl_split, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, WRITE_KV: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, WRITE_KV: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):
+    """IS_SPLIT off: one program per (sequence, KV head) over all its keys, writing the output row itself (rows are
+    sequences). On: `num_splits` programs per pair, each over at least `min_tiles` tiles, so a short context uses
+    fewer of them; where only one gets keys and the merge is fused, it too writes the output row directly."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,7 +74,7 @@ def _split_kv_decode_kernel(
     d_ok = offs_d < HEAD_DIM
     row = (q_start + q_len - 1).to(tl.int64)
     if (seq_len == 0) | (q_len == 0):  # graph padding: zeros in its row (written by the merge kernel when unfused)
-        if FUSED_MERGE:
+        if FUSED_MERGE or not IS_SPLIT:
             if (split == 0) & (q_len > 0):
                 tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                          tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=out_ptr.dtype.element_ty),
@@ -84,12 +90,21 @@ def _split_kv_decode_kernel(
     else:
         kv_start = 0
     num_tiles = (seq_len - kv_start + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
-    used_splits = (num_tiles + tiles_per_split - 1) // tiles_per_split  # the splits that get keys
-    if FUSED_MERGE:
-        if split >= used_splits:  # no keys: nothing to merge (the unfused merge reads its empty partial)
-            return
-    if WRITE_KV:  # only with FUSED_MERGE (rows are sequences): this row is the sequence's token at `pos`
+    # `direct`: one program holds all of this pair's keys and writes the output row itself (no partial, no ticket)
+    if IS_SPLIT:
+        tiles_per_split = tl.maximum((num_tiles + num_splits - 1) // num_splits, min_tiles)
+        used_splits = (num_tiles + tiles_per_split - 1) // tiles_per_split  # the splits that get keys
+        if FUSED_MERGE:
+            if split >= used_splits:  # no keys: nothing to merge (the unfused merge reads its empty partial)
+                return
+            direct = used_splits == 1
+        else:
+            direct = used_splits < 0  # never: the merge kernel reads every split's partial
+    else:
+        tiles_per_split = num_tiles
+        used_splits = 1
+        direct = True
+    if WRITE_KV:  # only when rows are sequences (fused merge, or no split): this row is the token at `pos`
         if split == used_splits - 1:  # the split whose range ends at pos
             slot = tl.load(slot_mapping_ptr + row)
             if slot >= 0:
@@ -116,6 +131,10 @@ def _split_kv_decode_kernel(
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if direct:
+        tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_ok[None, :])
+        return
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))  # log2 domain
     base_o = part_out_ptr + seq.to(tl.int64) * stride_po_seq + split * stride_po_split
     tl.store(base_o + head[:, None] * stride_po_head + offs_d[None, :], out,
@@ -213,12 +232,18 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     scale: float, sliding_window: int, softcap: float, num_splits: int,
                     part_out: torch.Tensor, part_lse: torch.Tensor, config: TileConfig | None = None,
                     use_pdl: bool = False, counters: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    min_tiles_per_split: int = 1) -> None:
     """Decode attention (each sequence's last query row against its KV) with KV split `num_splits` ways.
 
     `part_out` (float32, >= `num_seqs * num_splits * H * D` elements) and `part_lse` (float32, >= `num_seqs *
     num_splits * H`) are scratch owned by the caller. Every row of `output` is written; rows that belong to no
     sequence with KV are zeros. Only valid when every sequence has at most one query token.
+
+    `num_splits == 1`: one program per (sequence, KV head) writes its output row directly; needs one query row per
+    sequence (`query.shape[0] == seq_lens.shape[0]`, as decode steps and their graphs have) and no scratch.
+    `min_tiles_per_split`: a split covers at least this many `BLOCK_N` tiles, so a sequence shorter than the capacity
+    the split count was chosen for uses fewer splits (one: written directly when the merge is fused).
 
     `counters` (int32 zeros, owned by the caller and left as zeros): merge in the same launch (module docstring).
     Used when every row of `query` belongs to one sequence (rows == sequences, as in decode steps and their graphs)
@@ -232,9 +257,12 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
+    single = num_splits == 1
+    assert not single or num_tokens == num_seqs, "the unsplit decode kernel needs one query row per sequence"
     # fused: every row of the query one sequence's token, a ticket counter for each (sequence, KV head)
-    fused = counters is not None and num_tokens == num_seqs and counters.numel() >= num_seqs * num_kv_heads
-    if new_kv is not None and not fused:
+    fused = (not single and counters is not None and num_tokens == num_seqs
+             and counters.numel() >= num_seqs * num_kv_heads)
+    if new_kv is not None and not (fused or single):
         write_kv(*new_kv[:2], k_cache, v_cache, new_kv[2], use_pdl)
     if num_tokens == 0:
         return
@@ -248,13 +276,17 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     cfg = config or decode_tile_config(head_dim, group)
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     rows = num_seqs * num_splits
-    assert part_out.numel() >= rows * num_heads * head_dim and part_lse.numel() >= rows * num_heads, \
-        "split-KV scratch too small for this batch"
-    po = part_out.view(-1)[: rows * num_heads * head_dim].view(num_seqs, num_splits, num_heads, head_dim)
-    pl = part_lse.view(-1)[: rows * num_heads].view(num_seqs, num_splits, num_heads)
+    if single:  # no partials: the scratch arguments are never read (any float32 tensors of the right rank)
+        po = part_out.view(-1)[:1].view(1, 1, 1, 1)
+        pl = part_lse.view(-1)[:1].view(1, 1, 1)
+    else:
+        assert part_out.numel() >= rows * num_heads * head_dim and part_lse.numel() >= rows * num_heads, \
+            "split-KV scratch too small for this batch"
+        po = part_out.view(-1)[: rows * num_heads * head_dim].view(num_seqs, num_splits, num_heads, head_dim)
+        pl = part_lse.view(-1)[: rows * num_heads].view(num_seqs, num_splits, num_heads)
     head_dim_pad = triton.next_power_of_2(head_dim)
     assert counters is None or counters.dtype == torch.int32, "split-KV merge counters must be int32"
-    write = fused and new_kv is not None
+    write = (fused or single) and new_kv is not None
     new_k, new_v, slots = new_kv if write else (query, query, seq_lens)
     if write:
         assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and slots.shape[0] >= num_tokens
@@ -262,6 +294,7 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, po, pl, query_start_loc, seq_lens, block_tables, output,
         counters if fused else pl, new_k, new_v, slots, float(scale), float(softcap), int(sliding_window), num_splits,
+        max(1, int(min_tiles_per_split)),
         query.stride(0), query.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -270,10 +303,10 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_KV_HEADS=num_kv_heads,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(query.dtype),
-        USE_PDL=use_pdl, FUSED_MERGE=fused, WRITE_KV=write, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_kwargs(use_pdl),
+        USE_PDL=use_pdl, FUSED_MERGE=fused, WRITE_KV=write, IS_SPLIT=not single, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch_kwargs(use_pdl),
     )
-    if fused:
+    if fused or single:
         return
     _merge_splits_kernel[(num_tokens, num_heads)](
         output, po, pl, query_start_loc, seq_lens, num_seqs,
