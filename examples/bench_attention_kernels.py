@@ -111,16 +111,13 @@ def time_call(fn: Callable[[], object], reps: int, samples: int) -> tuple[float,
 
 
 def triton_impl(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, max_blocks: int,
-                force_splits: int | None = None, unified_config=None, decode_config=None,
-                min_tiles: int | None = None) -> Callable[[], None]:
+                force_splits: int | None = None, unified_config=None, decode_config=None) -> Callable[[], None]:
     from hf_accel.attention.triton_backend import TritonAttentionBackend
 
     spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE)
     be = TritonAttentionBackend(spec, torch.device(DEVICE), BLOCK_SIZE, 256, 8192, max_blocks,
                                 num_kv_splits=force_splits)
     be.unified_config, be.decode_config = unified_config, decode_config
-    if min_tiles is not None:
-        be.min_tiles_per_split = min_tiles
     be.prepare(case.meta)
     scale = HEAD_DIM**-0.5
     return lambda: be.forward(case.query, k_cache, v_cache, case.meta, out, scale, 0, 0.0)
@@ -214,7 +211,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time alternative Triton tile shapes")
     ap.add_argument("--decode-study", action="store_true",
                     help="only the W1/W2 decode shapes (batch 1 and 64 at contexts 128-384): the unified kernel, the "
-                         "decode kernel unsplit and split, minimum tiles per split, decode tiles")
+                         "decode kernel unsplit and split, decode tiles")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -336,7 +333,7 @@ def sweep(k_cache: torch.Tensor, v_cache: torch.Tensor, num_blocks: int, max_blo
 
 
 def decode_study(args: argparse.Namespace, gen: torch.Generator) -> int:
-    """The W1 / W2 decode shapes: which kernel, split count, minimum tiles per split and tile serve them best.
+    """The W1 / W2 decode shapes: which kernel, split count and tile serve them best.
     Capacity as in the engine for qwen3-0.6b (40,960 tokens per sequence: the split count is chosen for it)."""
     from hf_accel.attention.kernels.common import TileConfig
 
@@ -348,10 +345,9 @@ def decode_study(args: argparse.Namespace, gen: torch.Generator) -> int:
     print(f"device: {torch.cuda.get_device_name()}  decode study, capacity {max_blocks * BLOCK_SIZE} tokens")
     variants: dict[int, list[tuple[str, dict]]] = {
         1: [("unified", dict(force_splits=0)), ("decode unsplit", dict(force_splits=1))]
-        + [(f"auto splits, min tiles {t}", dict(min_tiles=t)) for t in (1, 2, 3, 4, 6, 8)],
+        + [(f"decode {s} splits", dict(force_splits=s)) for s in (4, 16, 64)],
         64: [("unified", dict(force_splits=0))]
-        + [(f"decode {s} split(s), min tiles {t}", dict(force_splits=s, min_tiles=t))
-           for s in (1, 2, 4) for t in ((1,) if s == 1 else (1, 2))]
+        + [(f"decode {s} split(s)", dict(force_splits=s)) for s in (1, 2, 4)]
         + [(f"decode unsplit {c}", dict(force_splits=1, decode_config=c))
            for c in (TileConfig(16, 32, 4, 4), TileConfig(16, 128, 4, 2), TileConfig(16, 64, 4, 2),
                      TileConfig(16, 64, 8, 3), TileConfig(16, 64, 2, 3))],

@@ -86,3 +86,21 @@ def test_greedy_argmax_on_gpu_vocabulary_sizes(rows):
         assert torch.equal(A.greedy_argmax(x), x.argmax(dim=-1))
         x = x.round()  # many exact ties of the maximum
         assert torch.equal(A.greedy_argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_sampler_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch):
+    """A triton that cannot build the kernels: the first launch's error is caught, torch's argmax answers, and the
+    sampler stays on torch's from then on."""
+    from hf_accel.engine import sampler
+
+    def broken(logits):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(sampler, "_greedy_argmax", broken)
+    monkeypatch.setattr(sampler, "_greedy_argmax_ran", False)
+    x = torch.randn(3, 1000, device="cuda")
+    assert torch.equal(sampler._argmax(x), x.argmax(dim=-1))
+    assert sampler._greedy_argmax is False
+    assert torch.equal(sampler._argmax(x), x.argmax(dim=-1))

@@ -88,7 +88,6 @@ class TritonAttentionBackend(AttentionBackend):
         # Tile overrides (None: the kernels' defaults); the benchmark's sweep and the tests set these.
         self.unified_config: TileConfig | None = None
         self.decode_config: TileConfig | None = None
-        self.min_tiles_per_split = self._split.MIN_TILES_PER_SPLIT
 
         # Scratch for split-KV partials, sized for the largest (padded batch x splits) any decode batch can use.
         self._split_rows = max((s * self._num_splits_for(s) for s in range(1, max_num_seqs + 1)
@@ -174,7 +173,6 @@ class TritonAttentionBackend(AttentionBackend):
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
                 self.use_pdl, self._merge_counters if self.fused_split_reductions else None, new_kv,
-                self.min_tiles_per_split,
             )
         else:
             self._unified.unified_attention(

@@ -39,29 +39,49 @@ float32 softmax itself (relative error ~1e-7 per probability) is the same as sto
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hf_accel.engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (splitmix64's increment, odd)
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9 (splitmix64 / Stafford mix13 multipliers)
 _MIX2 = -7723592293110705685  # 0x94D049BB133111EB
 _U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
-_greedy_argmax = None  # hf_accel.ops.argmax.greedy_argmax once imported; False where triton is missing
+# hf_accel.ops.argmax.greedy_argmax once imported and run; False where triton is missing or its first launch failed
+_greedy_argmax = None
+_greedy_argmax_ran = False
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(dim=-1)`; on CUDA through the chunked Triton argmax (the same indices, a fraction of torch's
-    time for one row of a large vocabulary: hf_accel.ops.argmax)."""
-    global _greedy_argmax
-    if logits.is_cuda and _greedy_argmax is None:
+    """`logits.argmax(dim=-1)`; on CUDA through the chunked Triton argmax (the same indices in a fraction of torch's
+    time for a few rows of a large vocabulary: hf_accel.ops.argmax). Where triton cannot import or build it, torch's
+    argmax, with one warning."""
+    global _greedy_argmax, _greedy_argmax_ran
+    if not logits.is_cuda or _greedy_argmax is False:
+        return logits.argmax(dim=-1)
+    if _greedy_argmax is None:
         try:
             from hf_accel.ops.argmax import greedy_argmax as _greedy_argmax
-        except Exception:  # no usable triton: torch's argmax
+        except Exception as exc:
+            logger.warning("hf_accel: the Triton argmax is unavailable (%s: %s); using torch.argmax",
+                           type(exc).__name__, exc)
             _greedy_argmax = False
-    if logits.is_cuda and _greedy_argmax:
+            return logits.argmax(dim=-1)
+    if _greedy_argmax_ran:
         return _greedy_argmax(logits)
-    return logits.argmax(dim=-1)
+    try:  # the first launch compiles the kernels: a triton that cannot build them falls back for good
+        out = _greedy_argmax(logits)
+    except Exception as exc:
+        logger.warning("hf_accel: the Triton argmax failed to build or launch (%s: %s); using torch.argmax",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        _greedy_argmax = False
+        return logits.argmax(dim=-1)
+    _greedy_argmax_ran = True
+    return out
 
 
 def _shr(z: torch.Tensor, k: int) -> torch.Tensor:

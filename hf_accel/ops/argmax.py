@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 NO_INDEX = 2**31 - 1  # "none here": larger than any index of a row
+_NO_INDEX = tl.constexpr(NO_INDEX)  # the same, as kernels read it
 
 
 @triton.jit
@@ -33,8 +34,8 @@ def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, V, stride_x, NUM_CHUN
     is_nan = x != x
     key = tl.where(is_nan, float("-inf"), x)
     m = tl.max(key, 0)
-    first = tl.min(tl.where(ok & (key == m), offs, NO_INDEX), 0)
-    first_nan = tl.min(tl.where(ok & is_nan, offs, NO_INDEX), 0)
+    first = tl.min(tl.where(ok & (key == m), offs, _NO_INDEX), 0)
+    first_nan = tl.min(tl.where(ok & is_nan, offs, _NO_INDEX), 0)
     out = row * NUM_CHUNKS + chunk
     tl.store(val_ptr + out, m)
     tl.store(idx_ptr + out, first)
@@ -49,13 +50,13 @@ def _combine_kernel(val_ptr, idx_ptr, nan_ptr, out_ptr, NUM_CHUNKS, BLOCK: tl.co
     ok = offs < NUM_CHUNKS
     base = row * NUM_CHUNKS
     v = tl.load(val_ptr + base + offs, mask=ok, other=float("-inf"))
-    i = tl.load(idx_ptr + base + offs, mask=ok, other=NO_INDEX)
-    n = tl.load(nan_ptr + base + offs, mask=ok, other=NO_INDEX)
+    i = tl.load(idx_ptr + base + offs, mask=ok, other=_NO_INDEX)
+    n = tl.load(nan_ptr + base + offs, mask=ok, other=_NO_INDEX)
     m = tl.max(v, 0)
     # chunks are in index order, so the lowest index among the chunks holding the maximum is the row's first
-    best = tl.min(tl.where(ok & (v == m), i, NO_INDEX), 0)
+    best = tl.min(tl.where(ok & (v == m), i, _NO_INDEX), 0)
     first_nan = tl.min(n, 0)
-    tl.store(out_ptr + row, tl.where(first_nan < NO_INDEX, first_nan, best).to(tl.int64))
+    tl.store(out_ptr + row, tl.where(first_nan < _NO_INDEX, first_nan, best).to(tl.int64))
 
 
 def chunk_size(rows: int) -> int:

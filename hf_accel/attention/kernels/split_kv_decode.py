@@ -36,16 +36,13 @@ MAX_SPLITS = 64
 # Split only while the plain grid would leave the GPU under-filled, and aim for about this many programs per SM.
 SPLIT_BELOW_PROGRAMS_PER_SM = 2
 TARGET_PROGRAMS_PER_SM = 4
-# a split covers at least this many BLOCK_N tiles: the split count is chosen for the longest context a sequence may
-# have, and a short one is better served by fewer programs that skip the merge (measured on the H200: CHANGELOG)
-MIN_TILES_PER_SPLIT = 1
 
 
-@triton.jit(do_not_specialize=["window", "num_splits", "min_tiles"])
+@triton.jit(do_not_specialize=["window", "num_splits"])
 def _split_kv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr,
     block_tables_ptr, out_ptr, counters_ptr, new_k_ptr, new_v_ptr, slot_mapping_ptr,
-    scale, softcap, window, num_splits, min_tiles,
+    scale, softcap, window, num_splits,
     stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_po_seq, stride_po_split, stride_po_head, stride_pl_seq, stride_pl_split, stride_ot, stride_oh,
@@ -55,8 +52,8 @@ def _split_kv_decode_kernel(
     FUSED_MERGE: tl.constexpr, WRITE_KV: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):
     """IS_SPLIT off: one program per (sequence, KV head) over all its keys, writing the output row itself (rows are
-    sequences). On: `num_splits` programs per pair, each over at least `min_tiles` tiles, so a short context uses
-    fewer of them; where only one gets keys and the merge is fused, it too writes the output row directly."""
+    sequences). On: `num_splits` programs per pair; where only one of them gets keys (a context of one tile) and the
+    merge is fused, it too writes the output row directly."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,7 +89,7 @@ def _split_kv_decode_kernel(
     num_tiles = (seq_len - kv_start + BLOCK_N - 1) // BLOCK_N
     # `direct`: one program holds all of this pair's keys and writes the output row itself (no partial, no ticket)
     if IS_SPLIT:
-        tiles_per_split = tl.maximum((num_tiles + num_splits - 1) // num_splits, min_tiles)
+        tiles_per_split = (num_tiles + num_splits - 1) // num_splits
         used_splits = (num_tiles + tiles_per_split - 1) // tiles_per_split  # the splits that get keys
         if FUSED_MERGE:
             if split >= used_splits:  # no keys: nothing to merge (the unfused merge reads its empty partial)
@@ -232,8 +229,7 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     scale: float, sliding_window: int, softcap: float, num_splits: int,
                     part_out: torch.Tensor, part_lse: torch.Tensor, config: TileConfig | None = None,
                     use_pdl: bool = False, counters: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    min_tiles_per_split: int = 1) -> None:
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Decode attention (each sequence's last query row against its KV) with KV split `num_splits` ways.
 
     `part_out` (float32, >= `num_seqs * num_splits * H * D` elements) and `part_lse` (float32, >= `num_seqs *
@@ -242,8 +238,6 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     `num_splits == 1`: one program per (sequence, KV head) writes its output row directly; needs one query row per
     sequence (`query.shape[0] == seq_lens.shape[0]`, as decode steps and their graphs have) and no scratch.
-    `min_tiles_per_split`: a split covers at least this many `BLOCK_N` tiles, so a sequence shorter than the capacity
-    the split count was chosen for uses fewer splits (one: written directly when the merge is fused).
 
     `counters` (int32 zeros, owned by the caller and left as zeros): merge in the same launch (module docstring).
     Used when every row of `query` belongs to one sequence (rows == sequences, as in decode steps and their graphs)
@@ -294,7 +288,6 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, po, pl, query_start_loc, seq_lens, block_tables, output,
         counters if fused else pl, new_k, new_v, slots, float(scale), float(softcap), int(sliding_window), num_splits,
-        max(1, int(min_tiles_per_split)),
         query.stride(0), query.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
