@@ -1,10 +1,11 @@
 """The Triton backend: our own paged-attention kernels, no third-party attention library needed.
 
 Three kernels (hf_accel/attention/kernels/): a KV write that skips padded slots, a unified varlen kernel that runs
-prefill chunks, decodes and mixed batches in one launch, and a split-KV decode kernel (plus merge) for small decode
-batches with long contexts. Every launch grid comes from tensor shapes and launch constants picked from the batch
-shape, never from per-step lengths, and all scratch is allocated in `__init__`, so any step can be captured in a
-CUDA graph and replayed with other lengths.
+prefill chunks, decodes and mixed batches in one launch, and a decode kernel for uniform decode steps (one program
+per sequence and KV head, writing the new K/V and the output itself), which splits each sequence's keys over more
+programs (plus a merge) where the batch alone would leave SMs idle. Every launch grid comes from tensor shapes and
+launch constants picked from the batch shape, never from per-step lengths, and all scratch is allocated in
+`__init__`, so any step can be captured in a CUDA graph and replayed with other lengths.
 
 Triton itself is imported lazily (in `__init__`): this module imports without it, so the registry can report
 "triton is not installed" instead of failing, and tests can switch on `TRITON_INTERPRET=1` before the kernels are

@@ -16,10 +16,15 @@ the same partials by the same formula as the merge kernel; compiled, the two lau
 splits' float32 terms in another order, so the results agree to float32 rounding, not always to the bit (the GEMM's
 fused split-K reduction, one sum per element in split order, does keep the bits).
 
-Given also the step's new keys and values (`new_kv`), the fused launch writes them into the cache itself: the split
-that holds a sequence's last position stores that token's K/V row for its KV head, then waits for its own threads
-(a block barrier) before it reads the tile that holds it. No other program reads that position, so the separate KV
-write kernel of the step is saved too.
+With `num_splits == 1` there is nothing to merge: one program per (sequence, KV head) walks all of that pair's keys
+and writes its output row directly. Wide decode batches run this way: against the unified kernel, each program
+finds its sequence by its index instead of a binary search over the batch (a chain of dependent loads before the
+first key), and needs no scratch. With a fused merge, a split whose sequence's keys fit one tile does the same.
+
+Given also the step's new keys and values (`new_kv`), a fused or unsplit launch writes them into the cache itself:
+the split that holds a sequence's last position stores that token's K/V row for its KV head, then waits for its own
+threads (a block barrier) before it reads the tile that holds it. No other program reads that position, so the
+separate KV write kernel of the step is saved too.
 """
 
 from __future__ import annotations
