@@ -39,49 +39,14 @@ float32 softmax itself (relative error ~1e-7 per probability) is the same as sto
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from hf_accel.engine.request import Request
-
-logger = logging.getLogger(__name__)
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (splitmix64's increment, odd)
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9 (splitmix64 / Stafford mix13 multipliers)
 _MIX2 = -7723592293110705685  # 0x94D049BB133111EB
 _U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
-# hf_accel.ops.argmax.greedy_argmax once imported and run; False where triton is missing or its first launch failed
-_greedy_argmax = None
-_greedy_argmax_ran = False
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(dim=-1)`; on CUDA through the chunked Triton argmax (the same indices in a fraction of torch's
-    time for a few rows of a large vocabulary: hf_accel.ops.argmax). Where triton cannot import or build it, torch's
-    argmax, with one warning."""
-    global _greedy_argmax, _greedy_argmax_ran
-    if not logits.is_cuda or _greedy_argmax is False:
-        return logits.argmax(dim=-1)
-    if _greedy_argmax is None:
-        try:
-            from hf_accel.ops.argmax import greedy_argmax as _greedy_argmax
-        except Exception as exc:
-            logger.warning("hf_accel: the Triton argmax is unavailable (%s: %s); using torch.argmax",
-                           type(exc).__name__, exc)
-            _greedy_argmax = False
-            return logits.argmax(dim=-1)
-    if _greedy_argmax_ran:
-        return _greedy_argmax(logits)
-    try:  # the first launch compiles the kernels: a triton that cannot build them falls back for good
-        out = _greedy_argmax(logits)
-    except Exception as exc:
-        logger.warning("hf_accel: the Triton argmax failed to build or launch (%s: %s); using torch.argmax",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        _greedy_argmax = False
-        return logits.argmax(dim=-1)
-    _greedy_argmax_ran = True
-    return out
 
 
 def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
@@ -257,7 +222,7 @@ class Sampler:
         if plain:  # argmax is exact in any dtype: the float32 copy only where scores or logits are kept
             if any(r.want_scores or r.want_logits for r in reqs):
                 logits = logits.float()
-            return _argmax(logits), logits
+            return logits.argmax(dim=-1), logits
         logits = logits.float()
         hooked = [i for i, r in enumerate(reqs) if r.logits_hook is not None]
         fast = [i for i, r in enumerate(reqs) if r.logits_hook is None]
@@ -272,7 +237,7 @@ class Sampler:
             scores = scores.clone() if scores is logits else scores
             for i in hooked:  # slow path: the request's own transformers logits processors
                 scores[i] = self._run_hook(reqs[i], logits[i : i + 1])
-        tokens = _argmax(scores)
+        tokens = scores.argmax(dim=-1)
         sampling_rows = [i for i, r in enumerate(reqs) if r.sampling.do_sample]
         if sampling_rows:
             device = logits.device
@@ -284,7 +249,7 @@ class Sampler:
             # the exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i
             noise = _exponential(seeds.to(device), steps.to(device), scores.shape[-1])
             probs = sub_scores.softmax(dim=-1)
-            drawn = _argmax(probs / noise)
+            drawn = (probs / noise).argmax(dim=-1)
             invalid = probs.isnan().any(dim=-1)  # the softmax of finite scores, not all -inf, has no NaN
             if all_rows:
                 tokens, self.invalid = drawn, invalid
