@@ -309,7 +309,7 @@ def sweep(k_cache: torch.Tensor, v_cache: torch.Tensor, num_blocks: int, max_blo
                    TileConfig(16, 128, 8, 3), TileConfig(16, 32, 4, 4), TileConfig(16, 64, 2, 3)]
     long_ctx, mid_ctx = max(DECODE_CONTEXTS), sorted(DECODE_CONTEXTS)[len(DECODE_CONTEXTS) // 2]
     plans = [("prefill", 1, sorted(PREFILL_TOKENS)[len(PREFILL_TOKENS) // 2], None, prefill_cfgs),
-             ("decode", max(DECODE_BATCHES), mid_ctx, 1, decode_cfgs),  # unified kernel, decode tiles
+             ("decode", max(DECODE_BATCHES), mid_ctx, 0, decode_cfgs),  # unified kernel, decode tiles
              ("decode", sorted(DECODE_BATCHES)[1], long_ctx, None, decode_cfgs),  # split-KV
              ("decode", min(DECODE_BATCHES), long_ctx, None, decode_cfgs)]
     for kind, batch, ctx, force, cfgs in plans:

@@ -571,7 +571,7 @@ def _check_replay(a: Step, b: Step, be: TritonAttentionBackend) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("splits", [None, 0, 1])
 def test_gpu_cuda_graph_replay_decode(splits):
     """One graph captured for a padded decode batch of 8 replays correctly with other lengths and real counts."""
     common = dict(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)

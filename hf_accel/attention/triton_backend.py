@@ -133,10 +133,11 @@ class TritonAttentionBackend(AttentionBackend):
         return splits
 
     def prepare(self, meta: StepMetadata) -> None:
-        """Pick the path for this step: split-KV for small uniform-decode batches, the unified kernel otherwise.
+        """Pick the path for this step (`splits_for_step`): the decode kernel for uniform-decode batches, split
+        where the batch is small, the unified kernel otherwise.
 
-        The choice depends only on `max_query_len == 1` and the padded batch size, so a graph captured for a
-        decode batch size replays correctly for any decode batch of that size.
+        The choice depends only on `max_query_len == 1`, the padded batch size and the query rows, so a graph
+        captured for a decode batch size replays correctly for any decode batch of that size.
         """
         self._planned_meta = meta
         self._planned_splits = self.splits_for_step(meta)
@@ -148,8 +149,8 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv_and_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, output: torch.Tensor,
                              scale: float, sliding_window: int, softcap: float) -> None:
-        """A split-KV decode step hands the new K/V to its launch, which writes them itself when its merge is fused
-        (no KV write kernel); every other step writes them first, then attends."""
+        """A decode-kernel step hands the new K/V to its launch, which writes them itself when it is unsplit or its
+        merge is fused (no KV write kernel); every other step writes them first, then attends."""
         splits = self._splits(meta)
         new_kv = (key, value, meta.slot_mapping)
         if splits == 0:

@@ -216,7 +216,8 @@ def decode_tile_config(head_dim: int, group: int) -> TileConfig:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, num_sms: int) -> int:
-    """Splits per sequence for a decode batch of this shape; 1 means "use the unified kernel".
+    """Splits per sequence for a decode batch of this shape; 1 means "no split" (the decode kernel with one program
+    per sequence and KV head, or, where the backend's `decode_kernel` is off, the unified kernel).
 
     Depends only on the padded batch size and capacity (`max_kv_len` = max_blocks_per_seq * block_size), so the
     choice made when a CUDA graph is captured holds for every replay.
@@ -250,8 +251,8 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     belong to no sequence.
 
     `new_kv` = (key, value `[T, Hkv, D]` contiguous in D, slot_mapping): the step's new rows, to be written into the
-    cache first (rows with a negative slot are skipped): by the fused launch itself (module docstring), else by the
-    KV write kernel before the attention.
+    cache first (rows with a negative slot are skipped): by a fused or unsplit launch itself (module docstring), else
+    by the KV write kernel before the attention.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
