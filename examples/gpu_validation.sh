@@ -112,6 +112,18 @@ case "${1:-tests}" in
     timeout 90 hf-accel bench --workload w1 --shape qwen3-0.6b --anchors none --no-progress \
       --json "$OUT/qwen3.json" >"$OUT/qwen3.log" 2>&1
     grep -E "^W1 " "$OUT/qwen3.log" | cut -c1-120 ;;
+  decode-kernel)  # issue 14: the attention kernel tests on the GPU, the W1/W2 decode-shape study of the attention
+    # kernels, then qwen3 W2 and W3 with and without the decode kernel for wide decode batches (same lease)
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    timeout 150 python3 -m pytest $P -rf tests/test_triton_kernels.py >"$OUT/kernel-tests.log" 2>&1
+    tail -n 1 "$OUT/kernel-tests.log"; grep -E "^FAILED" "$OUT/kernel-tests.log"
+    timeout 130 python3 examples/bench_attention_kernels.py --decode-study --json "$OUT/decode-study.json" \
+      >"$OUT/decode-study.log" 2>&1; cut -c1-110 "$OUT/decode-study.log"
+    for f in decode-attention-kernel no-decode-attention-kernel; do
+      timeout 130 hf-accel bench --workload w2,w3 --shape qwen3-0.6b --anchors none --"$f" --no-progress \
+        --json "$OUT/ab-$f.json" >"$OUT/ab-$f.log" 2>&1
+      echo "== --$f"; grep -E "^W[23] " "$OUT/ab-$f.log" | cut -c1-110
+    done ;;
   gemm)  # issue 14: decode GEMMs, cuBLAS against the small-M Triton GEMM, with and without PDL
     timeout 400 python3 examples/bench_skinny_gemm.py --ms 1 16 64 --json "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
     grep -E "CHAIN|device" "$OUT/gemm.log"; grep -vE "CHAIN|device" "$OUT/gemm.log" | cut -c1-120 | tail -n 60 ;;
