@@ -379,7 +379,9 @@ def test_split_kv_decode_one_tile_contexts_write_directly():
     step = make_step([1] * 4, [0, 5, 15, 40], seed=33)  # 1, 6 and 16 keys: one 16-key tile; 41 keys: three
     fused = make_backend(step, num_kv_splits=4, decode_block_n=16)
     plain = make_backend(step, num_kv_splits=4, decode_block_n=16, fused_split_reductions=False)
-    fused._merge_counters.fill_(5)  # a direct write never takes a ticket; the long sequence's splits would
+    # a direct write never takes a ticket, so the one-tile sequences' counters stay 5 (the long sequence's splits do
+    # take tickets, which never reach its merge from 5: its row is not compared)
+    fused._merge_counters.fill_(5)
     scale = step.query.shape[-1] ** -0.5
     got = run_triton(step, fused, scale, 0, 0.0)
     _same_merge(got[:3], run_triton(step, plain, scale, 0, 0.0)[:3])

@@ -163,7 +163,8 @@ def digest_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     total = torch.zeros(2, dtype=torch.int64, device=device)
     position = 0  # stream position of the batch's first word
     for addresses, words, copies in _batches(tensors):
-        if sum(words):
+        batch_words = sum(words)
+        if batch_words:
             table = (_remembered_table(addresses, words, device) if position == 0 and not copies
                      else _table(addresses, words, position, device))
             programs = table.shape[1]
@@ -171,7 +172,7 @@ def digest_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 _digest_kernel[(programs,)](table, out, A=_A, B=_B, BLOCK=_BLOCK)
             total += out.sum(dim=1)
-        position += sum(words)
+        position += batch_words
     return total
 
 
