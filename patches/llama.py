@@ -9,4 +9,5 @@ from hf_accel.patches.base import FamilyPatch
 PATCH = FamilyPatch(
     rms_norms={"LlamaRMSNorm": "llama"},
     gated_silu_mlps=frozenset({"LlamaMLP"}),
+    rope_attentions={"LlamaAttention": "rope"},
 )
