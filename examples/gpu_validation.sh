@@ -124,24 +124,6 @@ case "${1:-tests}" in
         --json "$OUT/ab-$f.json" >"$OUT/ab-$f.log" 2>&1
       echo "== --$f"; grep -E "^W[23] " "$OUT/ab-$f.log" | cut -c1-110
     done ;;
-  fused-rope)  # issue 14: q/k norm + RoPE inside the attention op. Kernel tests on the GPU (bf16 included), then
-    # qwen3 W1/W2 and llama-3.2-1b W1 with and without it (same lease); `fused-rope ab` runs the float32-judge A/B
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
-    if [ "${2:-}" = ab ]; then
-      timeout 300 python3 -m pytest $P -rf tests/test_gpu_ab.py -k "triton or first_step" >"$OUT/ab-tests.log" 2>&1
-      tail -n 1 "$OUT/ab-tests.log"; grep -E "^FAILED" "$OUT/ab-tests.log"
-    else
-      timeout 150 python3 -m pytest $P -rf tests/test_fused_rope.py tests/test_triton_kernels.py \
-        >"$OUT/kernel-tests.log" 2>&1
-      tail -n 1 "$OUT/kernel-tests.log"; grep -E "^FAILED" "$OUT/kernel-tests.log"
-    fi
-    for sh in ${3:-qwen3-0.6b}; do
-      for f in fused-rope no-fused-rope; do
-        timeout 150 hf-accel bench --workload ${4:-w1,w2} --shape "$sh" --anchors none --"$f" --no-progress \
-          --json "$OUT/$sh-$f.json" >"$OUT/$sh-$f.log" 2>&1
-        echo "== $sh --$f"; grep -E "^W[123] |guard|INVALID|Error" "$OUT/$sh-$f.log" | cut -c1-120
-      done
-    done ;;
   gemm)  # issue 14: decode GEMMs, cuBLAS against the small-M Triton GEMM, with and without PDL
     timeout 400 python3 examples/bench_skinny_gemm.py --ms 1 16 64 --json "$OUT/gemm.json" >"$OUT/gemm.log" 2>&1
     grep -E "CHAIN|device" "$OUT/gemm.log"; grep -vE "CHAIN|device" "$OUT/gemm.log" | cut -c1-120 | tail -n 60 ;;

@@ -37,8 +37,6 @@ def main() -> None:
     ap.add_argument("--cudagraph-capture-sizes", default=None, help="comma-separated batch sizes")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--log", action="store_true", help="log hf_accel's startup phases (INFO)")
-    ap.add_argument("--no-fused-rope", action="store_true", help="AccelConfig(fused_rope=False): stock attention "
-                    "forwards (q/k norm and RoPE in Inductor's kernels)")
     args = ap.parse_args()
     if args.log:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -62,10 +60,6 @@ def main() -> None:
         kw["cudagraph_capture_sizes"] = [int(x) for x in args.cudagraph_capture_sizes.split(",")]
     if args.no_compile:
         kw["compile"] = False
-    if args.no_fused_rope:
-        from hf_accel import AccelConfig
-
-        kw["config"] = AccelConfig(fused_rope=False)
     accelerate_model(model, attention_backend=args.backend, **kw)
     info = engine_info(model)
     keep = ("attention_backend", "cudagraph_mode", "startup", "compile_error")

@@ -25,7 +25,6 @@ from hf_accel.attention.autotune import (
     store_choice,
 )
 from hf_accel.attention.backend import AttentionSpec
-from hf_accel.attention.fused_rope import install_rope_attention
 from hf_accel.attention.op import is_ours, register_implementation, stock_implementation
 from hf_accel.attention.registry import (
     BACKEND_NAMES,
@@ -96,7 +95,6 @@ class AccelState:
     warned: set[str] = field(default_factory=set)
     packed_linears: PackRecord | None = None
     fused_ops: FusedRecord | None = None
-    rope_attention: FusedRecord | None = None  # attention modules given the fused-RoPE forward
     loop: EngineLoop | None = None
     active_calls: int = 0  # calls admitted and not yet over (any thread, sync or async)
     tp_out_of_step: str | None = None  # tensor parallel: why this rank can no longer pair steps with the others
@@ -295,13 +293,9 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     original = model.config._attn_implementation
     if is_ours(original):  # a deep copy of an accelerated model: its stock implementation is in the name
         original = stock_implementation(original)
-    # and its modules may carry our fused forwards (inert outside an engine step): start from the class forwards, so
-    # that this call's settings decide which are installed
-    uninstall_fused_ops(FusedRecord(modules=list(model.modules())))
     model.set_attn_implementation(register_implementation(original))
     packed: PackRecord | None = None
     fused: FusedRecord | None = None
-    rope_attention: FusedRecord | None = None
     # compile off on CUDA (and not enforce_eager, which keeps the model's own modules): RMSNorms and SiLU MLPs get
     # one-kernel Triton forwards, what Inductor's fusion gives the compiled path
     fuse = _wants_fused_ops(cfg, device)
@@ -316,8 +310,6 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
                 torch.cuda.empty_cache()
         if fuse:
             fused = install_fused_ops(model)
-        if cfg.fused_rope and not cfg.enforce_eager:
-            rope_attention = install_rope_attention(model)
         pack_s = time.perf_counter() - t_pack
         patch_s = time.perf_counter() - t0
         engine = LLMEngine(model, cfg, backend_cls, spec, progress=progress)
@@ -327,8 +319,6 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
         model.set_attn_implementation(original)
         if fused is not None:
             uninstall_fused_ops(fused)
-        if rope_attention is not None:
-            uninstall_fused_ops(rope_attention)
         if packed is not None:
             unpack_sibling_linears(packed)
         raise
@@ -336,7 +326,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
         _mark_built(backend_cls, spec, device, cfg)
     state = AccelState(config=cfg, engine=engine, generator=EngineGenerator(model, engine),
                        original_attn_implementation=original, backend_name=backend_cls.name, packed_linears=packed,
-                       fused_ops=fused, rope_attention=rope_attention, loop=EngineLoop(engine))
+                       fused_ops=fused, loop=EngineLoop(engine))
     ci = engine.compile_info
     autotune_s = (autotune_info or {}).get("seconds", 0.0)
     state.startup = {"patch_s": patch_s - autotune_s, "select_s": select_s, "pack_s": pack_s, "autotune_s": autotune_s,
@@ -579,8 +569,6 @@ def _restore_locked(model, state: AccelState, keep_methods: bool = False) -> Non
     model.set_attn_implementation(state.original_attn_implementation)
     if state.fused_ops is not None:
         uninstall_fused_ops(state.fused_ops)
-    if state.rope_attention is not None:
-        uninstall_fused_ops(state.rope_attention)
     if state.packed_linears is not None:
         unpack_sibling_linears(state.packed_linears)
     cache = getattr(state.engine.runner, "compile_cache", None)

@@ -103,11 +103,6 @@ class AccelConfig:
     # output itself; split over more programs where the batch alone would leave SMs idle. False: decode batches too
     # wide to split run the unified kernel, as before this option (the A/B)
     decode_attention_kernel: bool = True
-    # attention modules of the families that declare them (patches/<family>.py `rope_attentions`: Llama, Qwen3) hand
-    # their raw q/k projections to the attention op, which applies Qwen3's q/k RMSNorms and RoPE itself: inside the
-    # Triton decode kernel (no kernel of their own), elsewhere in one launch for queries and keys, instead of the two
-    # Inductor kernels per layer of the stock forward (hf_accel/attention/fused_rope.py). False: the stock forwards
-    fused_rope: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

@@ -49,20 +49,9 @@ def fusable_norms() -> dict[str, str]:
     return merged
 
 
-def rope_attentions() -> dict[str, str]:
-    """Attention class name -> how it applies RoPE (patches.base.ROPE_ATTENTION_STYLES), merged over all families."""
-    merged: dict[str, str] = {}
-    for model_type, patch in all_family_patches().items():
-        for name, style in patch.rope_attentions.items():
-            if merged.setdefault(name, style) != style:
-                raise ValueError(f"{model_type} declares {name} as {style!r}, another family as {merged[name]!r}")
-    return merged
-
-
 def fusable_mlps() -> frozenset[str]:
     """Class names of gated SiLU MLPs, merged over all families."""
     return frozenset().union(*(patch.gated_silu_mlps for patch in all_family_patches().values()))
 
 
-__all__ = ["NORM_STYLES", "FamilyPatch", "all_family_patches", "family_patch", "fusable_mlps", "fusable_norms",
-           "rope_attentions"]
+__all__ = ["NORM_STYLES", "FamilyPatch", "all_family_patches", "family_patch", "fusable_mlps", "fusable_norms"]

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 #   "gemma": `(norm(x.float()) * (1 + weight.float())).type_as(x)`  (the weight is an offset from 1, cast last)
 # where norm(h) = h * rsqrt(mean(h**2, -1) + eps).
 NORM_STYLES: tuple[str, ...] = ("llama", "gemma")
-# How an attention forward applies RoPE before its attention function (FamilyPatch.rope_attentions)
-ROPE_ATTENTION_STYLES: tuple[str, ...] = ("rope", "qk_norm_rope")
 
 
 @dataclass(frozen=True)
@@ -29,29 +27,17 @@ class FamilyPatch:
         class configured with another activation keeps its own forward). Not listed: Llama4TextMLP
         (`activation_fn`), Olmo*MLP and others not checked here.
 
-    rope_attentions: attention class name -> "rope" (its forward projects q/k/v, views them `[.., heads, head_dim]`,
-        applies `apply_rotary_pos_emb` with the full-width tables it is given, calls the attention interface with
-        `scaling` and an optional `sliding_window`, then `o_proj`: Llama's) or "qk_norm_rope" (the same with Llama-style
-        RMSNorms `q_norm` / `k_norm` on the heads before RoPE: Qwen3's). Those modules hand the raw projections to the
-        attention op, which applies norm and RoPE in its own launches (hf_accel.attention.fused_rope); list a class only
-        after comparing its forward with that description (tests/test_fused_rope.py runs each listed class against
-        its stock forward).
-
-    The tables are matched by class name whatever the model's model_type (families share classes), so the fused ops
+    Both tables are matched by class name whatever the model's model_type (families share classes), so the fused ops
     use the union over all family modules (`hf_accel.patches.fusable_norms()` / `fusable_mlps()`).
     """
 
     rms_norms: Mapping[str, str] = field(default_factory=dict)
     gated_silu_mlps: frozenset[str] = frozenset()
-    rope_attentions: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = {name: style for name, style in self.rms_norms.items() if style not in NORM_STYLES}
         if bad:
             raise ValueError(f"unknown RMSNorm styles {bad}; expected one of {NORM_STYLES}")
-        bad = {name: style for name, style in self.rope_attentions.items() if style not in ROPE_ATTENTION_STYLES}
-        if bad:
-            raise ValueError(f"unknown rope attention styles {bad}; expected one of {ROPE_ATTENTION_STYLES}")
         object.__setattr__(self, "gated_silu_mlps", frozenset(self.gated_silu_mlps))
 
     def unsupported_reason(self, config) -> str | None:

@@ -9,5 +9,4 @@ from hf_accel.patches.base import FamilyPatch
 PATCH = FamilyPatch(
     rms_norms={"LlamaRMSNorm": "llama"},
     gated_silu_mlps=frozenset({"LlamaMLP"}),
-    rope_attentions={"LlamaAttention": "rope"},
 )

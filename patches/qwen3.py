@@ -8,5 +8,4 @@ from hf_accel.patches.base import FamilyPatch
 PATCH = FamilyPatch(
     rms_norms={"Qwen3RMSNorm": "llama"},
     gated_silu_mlps=frozenset({"Qwen3MLP"}),
-    rope_attentions={"Qwen3Attention": "qk_norm_rope"},
 )

@@ -66,9 +66,6 @@ class AttentionBackend:
     min_compute_capability: ClassVar[tuple[int, int] | None] = None  # oldest CUDA GPU it runs on (None: any)
     kv_layout: ClassVar[KVLayout] = KVLayout.NHD
     cudagraph_support: ClassVar[CUDAGraphSupport] = CUDAGraphSupport.NEVER
-    # `write_kv_and_forward` takes `rope` (raw query / key projections plus their norm and rotary tables,
-    # hf_accel.attention.kernels.rope) and applies it itself; for other backends the attention op applies it first
-    applies_rope: ClassVar[bool] = False
 
     def capture_variant(self, num_seqs: int, uniform_decode: bool) -> Hashable:
         """What, besides the padded size's warm-up class, picks this backend's kernels and state in a full CUDA graph

@@ -64,18 +64,9 @@ def register_implementation(stock: str) -> str:
 
 @torch.library.custom_op("hf_accel::attention", mutates_args=("output",))
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_idx: int,
-              scale: float, sliding_window: int, softcap: float, rope_cos: torch.Tensor | None = None,
-              rope_sin: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
-              k_norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0) -> None:
-    """query/output `[T, H, D]` (output contiguous; query contiguous unless `rope_cos` is given, then contiguous in
-    D), key/value `[T, Hkv, D]` (contiguous in D; rows and heads may be strided); only the first
-    `metadata.num_tokens` rows are real.
-
-    Given `rope_cos` / `rope_sin` `[T, D]` (the model's rotary tables for the step's positions), query and key are
-    the raw projections: each head is first RMS-normalised by `q_norm_weight` / `k_norm_weight` (when given, with
-    `norm_eps`), then rotated (`attention.kernels.rope`; `attention.fused_rope` installs the module forwards that
-    pass them). A backend that `applies_rope` does this inside its own launches where it can; for the others it
-    runs here first."""
+              scale: float, sliding_window: int, softcap: float) -> None:
+    """query/output `[T, H, D]` (contiguous), key/value `[T, Hkv, D]` (contiguous in D; rows and heads may be
+    strided); only the first `metadata.num_tokens` rows are real."""
     ctx = get_forward_context()
     meta = ctx.metadata
     k_cache, v_cache = ctx.kv_caches[layer_idx]
@@ -84,24 +75,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, outpu
                          f"was sized for {k_cache.shape[2]} (the config's num_key_value_heads); this model's "
                          "attention does not match its config, so hf_accel cannot run it")
     # all rows, padded ones included: their slot is -1 (skipped), and no token count is frozen into a CUDA graph
-    if rope_cos is None:
-        ctx.backend.write_kv_and_forward(query, key, value, k_cache, v_cache, meta, output, scale, sliding_window,
-                                         softcap)
-        return
-    rope = (rope_cos, rope_sin, q_norm_weight, k_norm_weight, norm_eps)
-    if ctx.backend.applies_rope:
-        ctx.backend.write_kv_and_forward(query, key, value, k_cache, v_cache, meta, output, scale, sliding_window,
-                                         softcap, rope=rope)
-        return
-    from hf_accel.attention.kernels.rope import qk_norm_rope
-
-    query, key = qk_norm_rope(query, key, *rope, use_pdl=ctx.backend.use_pdl)
-    ctx.backend.write_kv_and_forward(query, key, value, k_cache, v_cache, meta, output, scale, sliding_window, softcap)
+    ctx.backend.write_kv_and_forward(query, key, value, k_cache, v_cache, meta, output, scale, sliding_window,
+                                     softcap)
 
 
 @attention.register_fake
-def _(query, key, value, output, layer_idx, scale, sliding_window, softcap, rope_cos=None, rope_sin=None,
-      q_norm_weight=None, k_norm_weight=None, norm_eps=0.0) -> None:
+def _(query, key, value, output, layer_idx, scale, sliding_window, softcap) -> None:
     return None
 
 

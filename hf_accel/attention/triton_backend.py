@@ -45,7 +45,6 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     requires_cuda = True
     cudagraph_support = CUDAGraphSupport.ALWAYS
-    applies_rope = True
 
     @classmethod
     def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
@@ -77,10 +76,9 @@ class TritonAttentionBackend(AttentionBackend):
         kernel run beside it. With `decode_kernel` (the base class's flag, set by the engine) every uniform decode
         step runs the decode kernel, unsplit where the batch fills the GPU; without, those run the unified kernel."""
         super().__init__(spec, device, block_size, max_num_seqs, max_num_tokens, max_blocks_per_seq)
-        from hf_accel.attention.kernels import kv_write, rope, split_kv_decode, unified_attention
+        from hf_accel.attention.kernels import kv_write, split_kv_decode, unified_attention
 
         self._kv_write = kv_write
-        self._rope = rope
         self._split = split_kv_decode
         self._unified = unified_attention
         if num_sms is None:
@@ -150,20 +148,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def write_kv_and_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, output: torch.Tensor,
-                             scale: float, sliding_window: int, softcap: float, rope=None) -> None:
+                             scale: float, sliding_window: int, softcap: float) -> None:
         """A decode-kernel step hands the new K/V to its launch, which writes them itself when it is unsplit or its
-        merge is fused (no KV write kernel); every other step writes them first, then attends. `rope` (see
-        `AttentionBackend.applies_rope`): the decode launch normalises and rotates the raw query and new keys itself
-        where it writes them; every other step runs `kernels.rope.qk_norm_rope` first."""
+        merge is fused (no KV write kernel); every other step writes them first, then attends."""
         splits = self._splits(meta)
         new_kv = (key, value, meta.slot_mapping)
         if splits == 0:
-            if rope is not None:
-                query, key = self._rope.qk_norm_rope(query, key, *rope, use_pdl=self.use_pdl)
-                rope = None
             self.write_kv(key, value, k_cache, v_cache, meta)
             new_kv = None
-        self._attend(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, splits, new_kv, rope)
+        self._attend(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, splits, new_kv)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
                 output: torch.Tensor, scale: float, sliding_window: int, softcap: float) -> None:
@@ -175,14 +168,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
                 output: torch.Tensor, scale: float, sliding_window: int, softcap: float, splits: int,
-                new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, rope=None) -> None:
-        """The decode kernel (`new_kv`: the step's new rows, written by it; `rope`: applied by it) or the unified
-        kernel."""
+                new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        """The decode kernel (`new_kv`: the step's new rows, written by it) or the unified kernel."""
         if splits >= 1:
             self._split.split_kv_decode(
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
-                self.use_pdl, self._merge_counters if self.fused_split_reductions else None, new_kv, rope,
+                self.use_pdl, self._merge_counters if self.fused_split_reductions else None, new_kv,
             )
         else:
             self._unified.unified_attention(

@@ -206,9 +206,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--decode-attention-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the triton backend's decode kernel for every decode batch (default: on); "
                         "--no-decode-attention-kernel runs wide decode batches through the unified kernel")
-    a.add_argument("--fused-rope", action=argparse.BooleanOptionalAction, default=None,
-                   help="Llama / Qwen3 attention hands raw q/k to the attention op, which applies q/k norm and RoPE "
-                        "in its own launches (default: on); --no-fused-rope keeps the stock forwards")
     a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="read the traced forward back from the compile cache (default: on); "
                         "--no-reuse-traced-graph traces every start")

@@ -89,13 +89,9 @@ def _fusable_input(args: tuple, kwargs: dict, params: list[torch.Tensor], allow_
     return x
 
 
-def mark_fused(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark an instance forward as ours: `uninstall_fused_ops` (and a deep copy's clean-up) deletes marked ones."""
+def _mark(fn: Callable[..., Any]) -> Callable[..., Any]:
     setattr(fn, _MARK, True)
     return fn
-
-
-_mark = mark_fused
 
 
 def _norm_forward(style: str, allow_cpu: bool, kernels: types.ModuleType) -> Callable[..., torch.Tensor]:

@@ -35,11 +35,7 @@ import triton.language as tl
 
 from hf_accel.attention.kernels.common import TileConfig, attend_tile, dot_precision, find_seq
 from hf_accel.attention.kernels.kv_write import store_at_slot, write_kv
-from hf_accel.attention.kernels.rope import norm_rope, qk_norm_rope
 from hf_accel.ops.pdl import launch_kwargs
-
-# (cos, sin, q norm weight or None, k norm weight or None, eps): see `kernels.rope`
-RopeArgs = tuple
 
 MAX_SPLITS = 64
 # Split only while the plain grid would leave the GPU under-filled, and aim for about this many programs per SM.
@@ -51,22 +47,18 @@ TARGET_PROGRAMS_PER_SM = 4
 def _split_kv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr,
     block_tables_ptr, out_ptr, counters_ptr, new_k_ptr, new_v_ptr, slot_mapping_ptr,
-    cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, norm_eps,
     scale, softcap, window, num_splits,
-    stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st,
+    stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_po_seq, stride_po_split, stride_po_head, stride_pl_seq, stride_pl_split, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, WRITE_KV: tl.constexpr, IS_SPLIT: tl.constexpr, ROPE: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, WRITE_KV: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):
     """IS_SPLIT off: one program per (sequence, KV head) over all its keys, writing the output row itself (rows are
     sequences). On: `num_splits` programs per pair; where only one of them gets keys (a context of one tile) and the
-    merge is fused, it too writes the output row directly. ROPE (only with WRITE_KV): the query rows and the new key
-    are the raw projections; each program normalises (QK_NORM) and rotates its query rows, and the split that writes
-    the new key does the same to it first (`kernels.rope.norm_rope`)."""
+    merge is fused, it too writes the output row directly."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,19 +84,6 @@ def _split_kv_decode_kernel(
         return
     q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_ok[None, :], other=0.0)
-    if ROPE:
-        rot_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM
-        cos = tl.load(cos_ptr + row * stride_ct + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + row * stride_st + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        q_rot = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + rot_d[None, :],
-                        mask=row_valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        if QK_NORM:
-            w = tl.load(q_w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            w_rot = tl.load(q_w_ptr + rot_d, mask=d_ok, other=0.0).to(tl.float32)
-        else:
-            w = cos
-            w_rot = cos
-        q = norm_rope(q.to(tl.float32), q_rot, offs_d, w, w_rot, cos, sin, norm_eps, q_ptr, HEAD_DIM, QK_NORM)
     pos = seq_len - 1
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos
 
@@ -131,15 +110,7 @@ def _split_kv_decode_kernel(
         if split == used_splits - 1:  # the split whose range ends at pos
             slot = tl.load(slot_mapping_ptr + row)
             if slot >= 0:
-                k_row = tl.load(new_k_ptr + row * stride_nkt + kv_head * stride_nkh + offs_d, mask=d_ok, other=0.0)
-                if ROPE:
-                    k_rot = tl.load(new_k_ptr + row * stride_nkt + kv_head * stride_nkh + rot_d, mask=d_ok,
-                                    other=0.0).to(tl.float32)
-                    if QK_NORM:
-                        w = tl.load(k_w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                        w_rot = tl.load(k_w_ptr + rot_d, mask=d_ok, other=0.0).to(tl.float32)
-                    k_row = tl.reshape(norm_rope(k_row.to(tl.float32)[None, :], k_rot[None, :], offs_d, w, w_rot, cos,
-                                                 sin, norm_eps, new_k_ptr, HEAD_DIM, QK_NORM), (HEAD_DIM_PAD,))
+                k_row = tl.load(new_k_ptr + row * stride_nkt + kv_head * stride_nkh + offs_d, mask=d_ok)
                 v_row = tl.load(new_v_ptr + row * stride_nvt + kv_head * stride_nvh + offs_d, mask=d_ok)
                 store_at_slot(k_cache_ptr, k_row, slot, kv_head * stride_kh + offs_d, stride_kb, stride_ks, d_ok,
                               BLOCK_SIZE)
@@ -264,8 +235,7 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     scale: float, sliding_window: int, softcap: float, num_splits: int,
                     part_out: torch.Tensor, part_lse: torch.Tensor, config: TileConfig | None = None,
                     use_pdl: bool = False, counters: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    rope: RopeArgs | None = None) -> None:
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Decode attention (each sequence's last query row against its KV) with KV split `num_splits` ways.
 
     `part_out` (float32, >= `num_seqs * num_splits * H * D` elements) and `part_lse` (float32, >= `num_seqs *
@@ -283,12 +253,6 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     `new_kv` = (key, value `[T, Hkv, D]` contiguous in D, slot_mapping): the step's new rows, to be written into the
     cache first (rows with a negative slot are skipped): by a fused or unsplit launch itself (module docstring), else
     by the KV write kernel before the attention.
-
-    `rope` (needs `new_kv`): `query` and the new keys are the raw projections, to be normalised and rotated
-    (`kernels.rope`): by a split launch with the merge fused itself (the split that writes the new K/V rotates it,
-    every split its query rows), else by `qk_norm_rope` first. The unsplit launch (wide batches) takes the prologue:
-    there, rotating in every program cost more than the prologue's launch (H200, qwen3-0.6b at 64 sequences: the
-    attention 24.5 us per layer against 17.5, while the two norm kernels it replaced took 4.7).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -298,11 +262,6 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # fused: every row of the query one sequence's token, a ticket counter for each (sequence, KV head)
     fused = (not single and counters is not None and num_tokens == num_seqs
              and counters.numel() >= num_seqs * num_kv_heads)
-    if rope is not None and (new_kv is None or not fused):
-        assert new_kv is not None, "rotary embedding in the decode launch needs the step's new keys"
-        query, new_key = qk_norm_rope(query, new_kv[0], *rope, use_pdl=use_pdl)
-        new_kv = (new_key, new_kv[1], new_kv[2])
-        rope = None
     if new_kv is not None and not (fused or single):
         write_kv(*new_kv[:2], k_cache, v_cache, new_kv[2], use_pdl)
     if num_tokens == 0:
@@ -331,19 +290,11 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     new_k, new_v, slots = new_kv if write else (query, query, seq_lens)
     if write:
         assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and slots.shape[0] >= num_tokens
-    if rope is not None:
-        cos, sin, q_w, k_w, eps = rope
-        assert cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.shape[-1] == head_dim and head_dim % 2 == 0
-    else:
-        cos, sin, q_w, k_w, eps = query, query, None, None, 0.0
-    has_norm = q_w is not None
 
     _split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, po, pl, query_start_loc, seq_lens, block_tables, output,
-        counters if fused else pl, new_k, new_v, slots, cos, sin, q_w if has_norm else cos, k_w if has_norm else cos,
-        float(eps), float(scale), float(softcap), int(sliding_window), num_splits,
+        counters if fused else pl, new_k, new_v, slots, float(scale), float(softcap), int(sliding_window), num_splits,
         query.stride(0), query.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
-        cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), output.stride(0), output.stride(1),
@@ -351,8 +302,7 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_KV_HEADS=num_kv_heads,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(query.dtype),
-        USE_PDL=use_pdl, FUSED_MERGE=fused, WRITE_KV=write, IS_SPLIT=not single, ROPE=rope is not None,
-        QK_NORM=has_norm, num_warps=cfg.num_warps,
+        USE_PDL=use_pdl, FUSED_MERGE=fused, WRITE_KV=write, IS_SPLIT=not single, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_kwargs(use_pdl),
     )
     if fused or single:
