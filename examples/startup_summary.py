@@ -20,7 +20,8 @@ def main(path: str) -> None:
         print(name, phase, f"total {rec.get('total_s', -1):.1f} s",
               {k: round(v, 2) for k, v in (s.get("phases") or {}).items()}, s.get("trace_source"),
               {k: round(v, 2) for k, v in (s.get("capture_split") or {}).items()},
-              "small-M build ahead:", {k: round(v, 2) if isinstance(v, float) else v for k, v in build.items()})
+              "small-M build ahead:", {k: round(v, 2) if isinstance(v, float) else v for k, v in build.items()},
+              "Triton kernels built:", rec.get("triton_kernels_built", "?"))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from hf_accel.engine.model_state import is_tuner_layer
 from hf_accel.engine.tensor_parallel import TensorParallel, tensor_parallel_of
 from hf_accel.generation import EngineGenerator, PreparedCall, eos_ids, stock_reason
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
+from hf_accel.ops.triton_build import pin_ptxas
 from hf_accel.patches import family_patch
 from hf_accel.patches.quantization import (
     decompress_packed_weights,
@@ -263,6 +264,8 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     if hasattr(model, _STATE):
         # before autotuning: the old engine's KV cache would leave it no memory
         _restore(model, keep_methods=True)
+    if device.type == "cuda":  # before the first Triton build of this process (the autotune): one ptxas for all
+        pin_ptxas()
     on_gpu_graphs = device.type == "cuda" and (cfg.compile or CUDAGraphMode(cfg.cudagraph_mode).value != "none")
     progress = StartupProgress(total_phases=6, enabled=on_gpu_graphs)  # a bar only where starts take long
     try:

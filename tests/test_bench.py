@@ -314,6 +314,18 @@ def test_bench_startup_fresh_processes_tiny_cpu(tmp_path) -> None:
     report = json.loads(path.read_text())
     assert report["startup"]["isolation"] == "process"
     assert all(report["startup"][p]["valid"] and report["startup"][p]["process_wall_s"] > 0 for p in ("cold", "warm"))
+    assert all(isinstance(report["startup"][p]["triton_kernels_built"], int) for p in ("cold", "warm"))
+
+
+def test_startup_counts_triton_builds(tmp_path) -> None:
+    from hf_accel.bench.startup import triton_builds
+
+    assert triton_builds(str(tmp_path / "absent")) == 0
+    for key, name in (("AAA", "kernel_a"), ("BBB", "kernel_a"), ("CCC", "kernel_b")):
+        (tmp_path / key).mkdir()
+        (tmp_path / key / f"__grp__{name}.json").write_text("{}")
+        (tmp_path / key / f"{name}.json").write_text("{}")  # the kernel's metadata: not counted again
+    assert triton_builds(str(tmp_path)) == 3
 
 
 def test_plot_from_a_report(tmp_path) -> None:

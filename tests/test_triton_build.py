@@ -7,6 +7,7 @@ GPU test in `test_small_m_gemm.py` checks that the kernels built ahead are the v
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -162,3 +163,107 @@ def test_launchers_are_built_once_per_argument_types():
             kernel({"y": "*bf16", "m": "i32", "B": "constexpr"})]
     other = kernel({"x": "*fp32", "n": "i32"})
     assert len(triton_build._distinct_launchers([*same, other])) == 2
+
+
+# ---------------------------------------------------------------------------------------------- stable cache keys
+_KERNEL_MODULE = '''
+import triton
+import triton.language as tl
+
+SCALE = tl.constexpr(3)
+
+
+@triton.jit
+def kernel(x_ptr):  # defined before the helper it calls, as split_kv_decode's kernel is before _merge_partials
+    tl.store(x_ptr, helper(tl.load(x_ptr)))
+
+
+@triton.jit
+def helper(x):
+    return x * SCALE
+'''
+
+
+def test_settle_cache_keys_computes_each_callee_before_its_caller(tmp_path, monkeypatch):
+    """triton 3.6 merges a callee's global constants into a caller's key only if the callee's key was computed
+    first; the order must not be left to whichever kernel a process launches first."""
+    import importlib.util
+
+    from triton.runtime.jit import JITFunction
+
+    path = tmp_path / "two_kernels.py"
+    path.write_text(_KERNEL_MODULE)
+    spec = importlib.util.spec_from_file_location("two_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    owner = next(k for k in JITFunction.__mro__ if "cache_key" in vars(k))
+    original = vars(owner)["cache_key"]
+    events: list[tuple[str, str]] = []
+
+    def recorded(self):
+        events.append(("start", self.fn.__name__))
+        key = original.fget(self)
+        events.append(("end", self.fn.__name__))
+        return key
+
+    monkeypatch.setattr(owner, "cache_key", property(recorded))
+    triton_build.settle_cache_keys(vars(module))
+    assert module.kernel.hash is not None and module.helper.hash is not None
+    assert events.index(("end", "helper")) < events.index(("start", "kernel")), events
+    assert "SCALE" in {name for name, _ in module.kernel.used_global_vals}
+
+
+def test_every_kernel_key_is_settled_at_import_and_holds_its_callees_globals():
+    """In a fresh process (compiled Triton, not the interpreter): importing our kernel modules computes every JIT
+    function's key, and each key covers the global constants of the helpers it calls."""
+    import os
+    import subprocess
+    import sys
+
+    code = '''
+import ast, importlib
+from triton.runtime.jit import JITFunction
+names = ["hf_accel.attention.kernels.common", "hf_accel.attention.kernels.kv_write",
+         "hf_accel.attention.kernels.split_kv_decode", "hf_accel.attention.kernels.unified_attention",
+         "hf_accel.ops.digest", "hf_accel.ops.fused_kernels", "hf_accel.ops.skinny_gemm"]
+fns = []
+for name in names:
+    module = importlib.import_module(name)
+    fns += [v for v in vars(module).values() if isinstance(v, JITFunction) and v.fn.__module__ == name]
+unsettled = [f.fn.__name__ for f in fns if f.hash is None]
+assert not unsettled, unsettled
+for f in fns:
+    callees = [f.__globals__.get(n.id) for n in ast.walk(f.parse()) if isinstance(n, ast.Name)]
+    for c in callees:
+        if isinstance(c, JITFunction) and c is not f:
+            missing = set(c.used_global_vals) - set(f.used_global_vals)
+            assert not missing, (f.fn.__name__, c.fn.__name__, missing)
+print(len(fns))
+'''
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) >= 10  # every module's kernels and helpers were looked at
+
+
+def test_pin_ptxas_keeps_the_users_choice(monkeypatch):
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/my/ptxas")
+    triton_build.pin_ptxas()
+    assert os.environ["TRITON_PTXAS_PATH"] == "/opt/my/ptxas"
+
+
+def test_pin_ptxas_points_at_the_assembler_inductor_uses(monkeypatch):
+    compile_tasks = pytest.importorskip("torch._inductor.runtime.compile_tasks")
+    setter = getattr(compile_tasks, "_set_triton_ptxas_path", None)
+    if setter is None:
+        pytest.skip("this torch does not pick Triton's ptxas")
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "placeholder")  # restored (or removed again) after the test
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    if hasattr(setter, "cache_clear"):
+        setter.cache_clear()
+    triton_build.pin_ptxas()
+    pinned = os.environ.get("TRITON_PTXAS_PATH")
+    # torch ships a ptxas with CUDA wheels only: then it is pinned, an executable file; otherwise nothing is set
+    if pinned is not None:
+        assert os.path.isfile(pinned) and os.access(pinned, os.X_OK)
+        assert pinned.startswith(os.path.dirname(os.path.dirname(compile_tasks.__file__)))

@@ -11,6 +11,7 @@ import importlib.metadata
 import math
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,11 @@ def _git_revision() -> dict[str, Any] | None:
 
 def environment(device: torch.device) -> dict[str, Any]:
     env: dict[str, Any] = {"versions": library_versions(), "platform": platform.platform(), "device": str(device),
-                           "hostname": platform.node(), "git": _git_revision()}
+                           "hostname": platform.node(), "git": _git_revision(),
+                           # off (PYTHONDONTWRITEBYTECODE): unless the install shipped .pyc files, every new process
+                           # compiles the torch modules a start imports from source (H200 image: 6.5 s of an 8B warm
+                           # start, 15.7 s against 9.2 s with the cache on)
+                           "python_bytecode_cache": not sys.flags.dont_write_bytecode}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env["gpu_name"] = props.name

@@ -179,6 +179,8 @@ def format_report(report: dict[str, Any]) -> str:
             pool = rec.get("graph_pool_bytes")
             if tgt.get("graph_pool_bytes") and isinstance(pool, int | float):
                 verdict += f"  pool <= 1 GiB {'met' if pool <= tgt['graph_pool_bytes'] else 'NOT met'}"
+            if phase == "warm" and rec.get("triton_kernels_built"):
+                verdict += f"  rebuilt {rec['triton_kernels_built']} Triton kernel(s)"
             warm = cc.get("warm")
             rows.append([phase, _num(es.get("patch_s"), 2), _num(es.get("autotune_s"), 2),
                          _num(es.get("kv_cache_s"), 2), _num(es.get("compile_s"), 2), _num(es.get("capture_s"), 2),
@@ -186,10 +188,13 @@ def format_report(report: dict[str, Any]) -> str:
                          _num(rec.get("first_token_s"), 2), _num(total, 2),
                          f"{pool / GIB:.2f} GiB" if isinstance(pool, int | float) else "-",
                          (f"engine saw cache warm={warm}  " if warm is not None else "") + verdict])
-        out.append(f"startup (accelerate_model -> first token, {st.get('isolation')} isolation), seconds\n" + _table(
-            rows, ["cache", "patch", "autotune", "kv cache", "compile", "capture", "accelerate_model", "first token",
-                   "total",
-                   "graph pool", ""]))
+        bytecode = (report.get("env") or {}).get("python_bytecode_cache")
+        note = ("; Python writes no bytecode cache here (PYTHONDONTWRITEBYTECODE), so each start compiles the "
+                "modules it imports from source" if bytecode is False else "")
+        header = ["cache", "patch", "autotune", "kv cache", "compile", "capture", "accelerate_model", "first token",
+                  "total", "graph pool", ""]
+        out.append(f"startup (accelerate_model -> first token, {st.get('isolation')} isolation), seconds{note}\n"
+                   + _table(rows, header))
     if report.get("w5"):
         out.append(format_w5(report["w5"]))
     return "\n\n".join(out)

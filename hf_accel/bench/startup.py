@@ -136,6 +136,7 @@ def _startup_subprocess(args: argparse.Namespace, tmp: str, cache_dir: str, phas
     profile = ["--startup-profile", args.startup_profile] if getattr(args, "startup_profile", None) else []
     cmd = [sys.executable, "-m", "hf_accel.bench", *_accel_argv(args), *profile, "--startup-child", phase,
            "--startup-out", out_path, "--compile-cache-dir", cache_dir]
+    builds_before = triton_builds(env["TRITON_CACHE_DIR"])
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.startup_timeout)
@@ -147,6 +148,14 @@ def _startup_subprocess(args: argparse.Namespace, tmp: str, cache_dir: str, phas
                 "stderr_tail": proc.stderr[-4000:]}
     rec = json.loads(Path(out_path).read_text())
     rec["process_wall_s"] = wall
+    # a warm start should build nothing: a kernel it builds again means a cache key that differs between processes
+    rec["triton_kernels_built"] = triton_builds(env["TRITON_CACHE_DIR"]) - builds_before
     return rec
+
+
+def triton_builds(cache_dir: str) -> int:
+    """Kernels in a Triton cache directory: one `__grp__<name>.json` per build."""
+    root = Path(cache_dir)
+    return sum(1 for _ in root.rglob("__grp__*.json")) if root.is_dir() else 0
 
 

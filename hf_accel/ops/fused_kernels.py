@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.ops.triton_build import settle_cache_keys
+
 MAX_NORM_BLOCK = 8192  # widest row kept in registers at once; wider rows loop over chunks of this many columns
 MAX_ACT_BLOCK = 1024  # columns of SiLU-and-mul per program
 
@@ -128,3 +130,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         COLS=cols, BLOCK=block, num_warps=4,
     )
     return out
+
+
+# keys that do not depend on which kernel a process launches first (ops/triton_build.py)
+settle_cache_keys(globals())

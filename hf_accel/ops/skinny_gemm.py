@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.ops.pdl import launch_kwargs
+from hf_accel.ops.triton_build import settle_cache_keys
 
 MAX_M = 64  # rows this kernel is meant for; above it cuBLAS's large-M tiles win
 
@@ -207,3 +208,7 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
             BLOCK=block, HAS_BIAS=has_bias, HAS_SCALE=has_scale, USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
         ))
     return built
+
+
+# keys that do not depend on which kernel a process launches first (ops/triton_build.py)
+settle_cache_keys(globals())

@@ -15,10 +15,22 @@ Triton's async mode is a private API (`triton.runtime._async_compile`, present i
 missing or fails, nothing is built ahead and every kernel builds on its first call, as before. A configuration that
 does not build (too much shared memory, an unsupported tile) is counted as failed here and fails again, as it
 always did, where its caller times it.
+
+A warm start finds its kernels in Triton's on-disk cache only when it computes the same cache keys as the start that
+built them. Two things made the keys depend on what a process happened to do first (an 8B warm start rebuilt nine
+kernels, 2-3 s, measured on the H200 with triton 3.6 and torch 2.11):
+- `settle_cache_keys`: triton 3.6 merges a helper's global constants (common.py's `LOG2E`) into a kernel's key
+  only if the helper's own key was computed before, so a kernel first launched by the attention autotune (a cold
+  start) got another key than the same kernel first launched by a forward (a warm start). Each kernel module
+  computes its keys at import, callees first.
+- `pin_ptxas`: Inductor's compile workers, and its in-process builds, point Triton at torch's own `ptxas`
+  (`TRITON_PTXAS_PATH`), which is part of the key; the kernels a process builds before that (ours, or Inductor's
+  when its cache is warm and no worker builds) used Triton's bundled one. accelerate_model pins torch's at once.
 """
 
 from __future__ import annotations
 
+import ast
 import contextvars
 import logging
 import os
@@ -27,6 +39,60 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
+
+
+def settle_cache_keys(namespace: dict) -> None:
+    """Compute the Triton cache key of every `@triton.jit` function defined in `namespace` (a module's globals),
+    each one's JIT callees first, so that no key depends on which kernel a process launches first (see above)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return
+    done: set[int] = set()
+
+    def callees(fn: JITFunction) -> list[JITFunction]:
+        found = []
+        for node in ast.walk(fn.parse()):
+            value: object = None
+            if isinstance(node, ast.Name):
+                value = fn.__globals__.get(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):  # module.helper
+                value = getattr(fn.__globals__.get(node.value.id), node.attr, None)
+            if isinstance(value, JITFunction) and value is not fn:
+                found.append(value)
+        return found
+
+    def settle(fn: JITFunction) -> None:
+        if id(fn) in done:
+            return
+        done.add(id(fn))
+        for callee in callees(fn):
+            settle(callee)
+        fn.cache_key  # noqa: B018 (computed and memoized by triton)
+
+    name = namespace.get("__name__")
+    for value in list(namespace.values()):
+        if isinstance(value, JITFunction) and getattr(value.fn, "__module__", None) == name:
+            try:
+                settle(value)
+            except Exception as exc:  # the key is then computed on first launch, as before
+                logger.debug("hf_accel: Triton cache key of %s not computed ahead: %s", value, exc)
+
+
+def pin_ptxas() -> None:
+    """Point Triton at the `ptxas` Inductor's compile workers use (torch's own, where torch ships one), unless
+    `TRITON_PTXAS_PATH` is set already: every build of this process then keys and builds with the same assembler
+    (see above). Inductor sets the same variable itself once it builds a kernel in this process."""
+    if os.environ.get("TRITON_PTXAS_PATH") is not None:
+        return
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # another torch: nothing to agree with
+        return
+    try:
+        _set_triton_ptxas_path()
+    except Exception as exc:
+        logger.debug("hf_accel: could not pin ptxas: %s", exc)
 
 
 def default_workers() -> int:

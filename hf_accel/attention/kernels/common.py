@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.ops.triton_build import settle_cache_keys
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -120,3 +122,7 @@ def attend_tile(
     v = v.to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+# keys that do not depend on which kernel a process launches first (ops/triton_build.py)
+settle_cache_keys(globals())

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.ops.pdl import launch_kwargs
+from hf_accel.ops.triton_build import settle_cache_keys
 
 
 @triton.jit
@@ -76,3 +77,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h,
         BLOCK_SIZE=k_cache.shape[1], USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
     )
+
+
+# keys that do not depend on which kernel a process launches first (ops/triton_build.py)
+settle_cache_keys(globals())

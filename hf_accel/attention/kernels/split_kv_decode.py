@@ -36,6 +36,7 @@ import triton.language as tl
 from hf_accel.attention.kernels.common import TileConfig, attend_tile, dot_precision, find_seq
 from hf_accel.attention.kernels.kv_write import store_at_slot, write_kv
 from hf_accel.ops.pdl import launch_kwargs
+from hf_accel.ops.triton_build import settle_cache_keys
 
 MAX_SPLITS = 64
 # Split only while the plain grid would leave the GPU under-filled, and aim for about this many programs per SM.
@@ -314,3 +315,7 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         HEAD_DIM_PAD=head_dim_pad, USE_PDL=use_pdl, num_warps=4 if head_dim_pad * num_splits >= 4096 else 2,
         **launch_kwargs(use_pdl),
     )
+
+
+# keys that do not depend on which kernel a process launches first (ops/triton_build.py)
+settle_cache_keys(globals())
