@@ -522,3 +522,19 @@ def test_resolved_config_of_switches_and_piecewise_sizes_is_recorded():
     assert cfg["piecewise_capture_sizes"] == [1, 8, 64] and cfg["pdl"] is False and cfg["max_num_seqs"] == 32
     argv = _accel_argv(args)
     assert argv[argv.index("--piecewise-capture-sizes") + 1] == "8,1,64"
+
+
+def test_startup_report_flags_rebuilds_and_a_missing_bytecode_cache() -> None:
+    def start(built: int) -> dict:
+        return {"valid": True, "total_s": 9.0, "accelerate_s": 8.9, "first_token_s": 0.1, "triton_kernels_built": built,
+                "engine_startup": {"patch_s": 0.2, "kv_cache_s": 1.0, "compile_s": 4.4, "capture_s": 3.5}}
+
+    def report(built: int, bytecode: bool) -> str:
+        return bench.format_report({"workloads": {}, "env": {"python_bytecode_cache": bytecode}, "model": {"name": "t"},
+                                    "accel": {}, "startup": {"isolation": "process", "cold": start(40),
+                                                             "warm": start(built)}})
+
+    text = report(3, False)
+    assert "rebuilt 3 Triton kernel(s)" in text and "no Python bytecode cache" in text
+    text = report(0, True)
+    assert "rebuilt" not in text and "bytecode" not in text

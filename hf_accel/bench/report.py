@@ -189,8 +189,8 @@ def format_report(report: dict[str, Any]) -> str:
                          f"{pool / GIB:.2f} GiB" if isinstance(pool, int | float) else "-",
                          (f"engine saw cache warm={warm}  " if warm is not None else "") + verdict])
         bytecode = (report.get("env") or {}).get("python_bytecode_cache")
-        note = ("; Python writes no bytecode cache here (PYTHONDONTWRITEBYTECODE), so each start compiles the "
-                "modules it imports from source" if bytecode is False else "")
+        note = ("; no Python bytecode cache for torch here (PYTHONDONTWRITEBYTECODE and no .pyc files), so each "
+                "start compiles the modules it imports from source" if bytecode is False else "")
         header = ["cache", "patch", "autotune", "kv cache", "compile", "capture", "accelerate_model", "first token",
                   "total", "graph pool", ""]
         out.append(f"startup (accelerate_model -> first token, {st.get('isolation')} isolation), seconds{note}\n"

@@ -17,8 +17,8 @@ does not build (too much shared memory, an unsupported tile) is counted as faile
 always did, where its caller times it.
 
 A warm start finds its kernels in Triton's on-disk cache only when it computes the same cache keys as the start that
-built them. Two things made the keys depend on what a process happened to do first (an 8B warm start rebuilt nine
-kernels, 2-3 s, measured on the H200 with triton 3.6 and torch 2.11):
+built them. Two things made the keys depend on what a process happened to do first (an 8B warm start rebuilt 9 and
+17 kernels in two probes, 2-4 s, measured on the H200 with triton 3.6 and torch 2.11):
 - `settle_cache_keys`: triton 3.6 merges a helper's global constants (common.py's `LOG2E`) into a kernel's key
   only if the helper's own key was computed before, so a kernel first launched by the attention autotune (a cold
   start) got another key than the same kernel first launched by a forward (a warm start). Each kernel module
@@ -26,6 +26,8 @@ kernels, 2-3 s, measured on the H200 with triton 3.6 and torch 2.11):
 - `pin_ptxas`: Inductor's compile workers, and its in-process builds, point Triton at torch's own `ptxas`
   (`TRITON_PTXAS_PATH`), which is part of the key; the kernels a process builds before that (ours, or Inductor's
   when its cache is warm and no worker builds) used Triton's bundled one. accelerate_model pins torch's at once.
+  (triton 3.6 reads that variable for Hopper; later ones read `TRITON_PTXAS_BLACKWELL_PATH` for sm_90 and up, which
+  neither Inductor nor this module sets, so there every build uses the bundled assembler anyway.)
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def settle_cache_keys(namespace: dict) -> None:
         from triton.runtime.jit import JITFunction
     except ImportError:
         return
-    done: set[int] = set()
+    visited: dict[int, JITFunction] = {}
 
     def callees(fn: JITFunction) -> list[JITFunction]:
         found = []
@@ -63,26 +65,39 @@ def settle_cache_keys(namespace: dict) -> None:
         return found
 
     def settle(fn: JITFunction) -> None:
-        if id(fn) in done:
+        if id(fn) in visited:
             return
-        done.add(id(fn))
+        visited[id(fn)] = fn
         for callee in callees(fn):
             settle(callee)
         fn.cache_key  # noqa: B018 (computed and memoized by triton)
 
     name = namespace.get("__name__")
     for value in list(namespace.values()):
-        if isinstance(value, JITFunction) and getattr(value.fn, "__module__", None) == name:
-            try:
-                settle(value)
-            except Exception as exc:  # the key is then computed on first launch, as before
-                logger.debug("hf_accel: Triton cache key of %s not computed ahead: %s", value, exc)
+        if not (isinstance(value, JITFunction) and getattr(value.fn, "__module__", None) == name):
+            continue
+        try:
+            settle(value)
+        except Exception as exc:
+            # triton leaves a placeholder key ("recursion:<name>") on a function whose analysis raised, which would
+            # key its builds by name alone: drop it, so that its first launch analyses it again and fails loudly
+            for fn in visited.values():
+                if str(getattr(fn, "hash", "")).startswith("recursion:"):
+                    fn.hash = None
+                    fn.used_global_vals = {}
+            logger.warning("hf_accel: the Triton cache key of %s could not be computed at import (%s: %s)",
+                           getattr(value.fn, "__qualname__", value), type(exc).__name__, exc)
 
 
 def pin_ptxas() -> None:
     """Point Triton at the `ptxas` Inductor's compile workers use (torch's own, where torch ships one), unless
     `TRITON_PTXAS_PATH` is set already: every build of this process then keys and builds with the same assembler
-    (see above). Inductor sets the same variable itself once it builds a kernel in this process."""
+    (see above). Inductor sets the same variable itself once it builds a kernel in this process.
+
+    This sets `TRITON_PTXAS_PATH` in `os.environ`: it holds for every Triton user of the process and its child
+    processes, and stays after `restore(model)`. Set the variable yourself (to any assembler) to opt out. Pinned
+    after the process built a Triton kernel, it would not help: triton caches the assembler's version per
+    architecture, so accelerate_model pins before its first build."""
     if os.environ.get("TRITON_PTXAS_PATH") is not None:
         return
     try:
