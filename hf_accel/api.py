@@ -191,6 +191,9 @@ def accelerate_model(model, *, attention_backend: str = "auto", cudagraph_mode: 
 
     Outside an engine step the model stays the stock model: a plain forward or backward (training, evaluation) runs
     the original attention implementation and the model's own modules.
+
+    One process-wide effect outlives `restore`: on a GPU, `TRITON_PTXAS_PATH` is set to torch's own ptxas unless you
+    set it (`ops.triton_build.pin_ptxas`: the assembler Inductor's workers use, so warm starts find their kernels).
     """
     t0 = time.perf_counter()
     wrapper, model = model, base_model_of(model)
