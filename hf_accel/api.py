@@ -270,7 +270,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
     if device.type == "cuda":  # before the first Triton build of this process (the autotune): one ptxas for all
         pin_ptxas()
     on_gpu_graphs = device.type == "cuda" and (cfg.compile or CUDAGraphMode(cfg.cudagraph_mode).value != "none")
-    progress = StartupProgress(total_phases=6, enabled=on_gpu_graphs)  # a bar only where starts take long
+    progress = StartupProgress(total_phases=7, enabled=on_gpu_graphs)  # a bar only where starts take long
     try:
         if backend_cls is None:
             t_select = time.perf_counter()
@@ -339,7 +339,7 @@ def _accelerate_locked(model, t0: float, *, config: AccelConfig | None, **option
                      "kv_cache_s": engine.stats.timings.get("kv_cache_s", 0.0),
                      "compile_s": ci.get("compile_s", 0.0), "capture_s": ci.get("capture_s", 0.0)}
     state.startup.update({k: ci[k] for k in ("trace_s", "trace_source", "split_compile_s", "small_m_gemm_s",
-                                             "capture_split") if k in ci})
+                                             "capture_build_ahead", "capture_split") if k in ci})
     state.startup["phases"] = dict(progress.times)
     state.extra_info.update(graph_pool_bytes=ci.get("graph_pool_bytes", 0), compile_cache=ci.get("compile_cache"),
                             effective_cudagraph_mode=ci.get("cudagraph_mode", "none"), backend_autotune=autotune_info,

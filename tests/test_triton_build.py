@@ -303,3 +303,152 @@ def test_pin_ptxas_points_at_the_assembler_inductor_uses(monkeypatch):
     if pinned is not None:
         assert os.path.isfile(pinned) and os.access(pinned, os.X_OK)
         assert pinned.startswith(os.path.dirname(os.path.dirname(compile_tasks.__file__)))
+
+
+# ---------------------------------------------------------------------- building ahead from real launch code
+class _StandInKernel:
+    """A JIT function as a launch site sees it: `kernel[grid](...)` runs it, `kernel.warmup(...)` only builds."""
+
+    def __init__(self):
+        self.ran, self.built = [], []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.ran.append((grid, args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.built.append((grid, args, kwargs))
+        return _Future(_Kernel(f"k{len(self.built)}"))
+
+
+def test_launcher_runs_the_kernel_outside_ahead_and_builds_it_inside():
+    kernel = _StandInKernel()
+    triton_build.launcher(kernel, (4, 2))(1, 2, BLOCK=16)
+    assert kernel.ran == [((4, 2), (1, 2), {"BLOCK": 16})] and kernel.built == []
+
+    def step():
+        triton_build.launcher(kernel, (8,))(3, BLOCK=32)
+        triton_build.launcher(kernel, (1,))(4, BLOCK=64)
+
+    built = triton_build.ahead(step)()
+    assert len(built) == 2 and len(kernel.ran) == 1  # compiled with the same arguments, never launched
+    assert kernel.built == [((8,), (3,), {"BLOCK": 32}), ((1,), (4,), {"BLOCK": 64})]
+    triton_build.launcher(kernel, (2,))(5)  # after ahead(): launches again
+    assert len(kernel.ran) == 2
+    # an explicit warmup builds without recording anywhere (the small-M tuner collects those itself)
+    triton_build.launcher(kernel, (2,), warmup=True)(6)
+    assert len(kernel.built) == 3 and len(kernel.ran) == 2
+
+
+def test_ahead_leaves_the_mode_off_when_its_step_raises():
+    kernel = _StandInKernel()
+
+    def step():
+        triton_build.launcher(kernel, (1,))(1)
+        raise RuntimeError("a forward that cannot run")
+
+    with pytest.raises(RuntimeError):
+        triton_build.ahead(step)()
+    triton_build.launcher(kernel, (1,))(2)
+    assert len(kernel.ran) == 1 and len(kernel.built) == 1
+
+
+def test_ahead_steps_build_in_the_pool_and_a_failing_step_is_counted():
+    kernel = _StandInKernel()
+
+    def step(n):
+        for i in range(n):
+            triton_build.launcher(kernel, (i,))(i)
+
+    def broken():
+        raise RuntimeError("no such shape")
+
+    report = triton_build.build_in_parallel([triton_build.ahead(lambda: step(3)), triton_build.ahead(broken),
+                                             triton_build.ahead(lambda: step(2))], workers=2)
+    assert report["kernels"] == 5 and report["failed"] == 1 and kernel.ran == []
+
+
+def test_build_ahead_switch(monkeypatch):
+    monkeypatch.delenv("HF_ACCEL_BUILD_AHEAD", raising=False)
+    assert triton_build.build_ahead_enabled()
+    for off in ("0", "false", "off"):
+        monkeypatch.setenv("HF_ACCEL_BUILD_AHEAD", off)
+        assert not triton_build.build_ahead_enabled()
+    monkeypatch.setenv("HF_ACCEL_BUILD_AHEAD", "1")
+    assert triton_build.build_ahead_enabled()
+
+
+def test_warmup_representatives_are_the_keys_capture_warms_up():
+    from hf_accel.compilation.cuda_graph import capture_with_warmups, warmup_representatives
+
+    keys = [512, 256, 64, 56, 48, 32, 24, 16, 8, 4, 2, 1]
+
+    def cls(t):
+        return (t == 1, t % 16 == 0, t > 32)
+
+    warmed = []
+    capture_with_warmups(keys, cls, warmed.append, lambda k: None, lambda: None, "test")
+    assert warmup_representatives(keys, cls) == warmed == [512, 56, 32, 24, 1]
+    assert warmup_representatives(keys, None) == keys
+
+
+@pytest.mark.gpu
+def test_gpu_capture_warmups_build_no_kernel_of_ours_after_the_build_ahead(tmp_path):
+    """A fresh process with empty Triton and compile caches: every Triton kernel of ours that the graph warm-ups
+    launch was built ahead (none is compiled inside a warm-up), and the start still generates what stock does."""
+    import subprocess
+    import sys
+
+    if not __import__("torch").cuda.is_available():
+        pytest.skip("needs CUDA")
+    code = '''
+import json, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import triton.runtime.jit as jit
+from hf_accel import accelerate_model, engine_info
+from hf_accel.compilation.cuda_graph import FullCUDAGraphRunner
+from hf_accel.compilation.piecewise import PiecewiseForward
+
+state = {"in_warmup": False, "warmup_builds": [], "builds": 0}
+original = jit.JITFunction._do_compile
+def recording(self, *args, **kwargs):
+    if self.fn.__module__.startswith("hf_accel"):
+        state["builds"] += 1
+        if state["in_warmup"]:
+            state["warmup_builds"].append(self.fn.__name__)
+    return original(self, *args, **kwargs)
+jit.JITFunction._do_compile = recording
+for cls in (FullCUDAGraphRunner, PiecewiseForward):
+    def wrap(warm_up):
+        def inner(self, *args, **kwargs):
+            state["in_warmup"] = True
+            try:
+                return warm_up(self, *args, **kwargs)
+            finally:
+                state["in_warmup"] = False
+        return inner
+    cls._warm_up = wrap(cls._warm_up)
+
+torch.manual_seed(0)
+config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+model = LlamaForCausalLM(config).to("cuda", torch.float32).eval()
+ids = torch.randint(3, 500, (2, 12), device="cuda")
+stock = model.generate(ids, max_new_tokens=6, do_sample=False)
+accelerate_model(model, compile_cache_dir=sys.argv[1], max_num_seqs=8, attention_backend="triton")
+ours = model.generate(ids, max_new_tokens=6, do_sample=False)
+info = engine_info(model)["startup"]
+print(json.dumps({"same": bool(torch.equal(stock, ours)), "warmup_builds": state["warmup_builds"],
+                  "builds": state["builds"], "ahead": info.get("capture_build_ahead")}))
+'''
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env.pop("HF_ACCEL_BUILD_AHEAD", None)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hf_accel")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["same"], result
+    assert result["ahead"] and result["ahead"]["kernels"] > 0 and result["ahead"]["forwards"] > 0, result
+    assert result["warmup_builds"] == [], result

@@ -96,6 +96,38 @@ def _capture(fn, device: torch.device) -> torch.cuda.CUDAGraph | None:
         return None
 
 
+def _step_fn(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetadata, caches: tuple,
+             num_layers: int):
+    """One step of this shape: `num_layers` attention forwards (prepare() is the caller's)."""
+    rows = meta.slot_mapping.shape[0]
+    query = torch.randn(rows, spec.num_heads, spec.head_dim, device=backend.device, dtype=spec.dtype)
+    output = torch.empty_like(query)
+    scale = spec.head_dim**-0.5
+    softcap = 50.0 if spec.uses_softcap else 0.0
+
+    def layers() -> None:
+        for _ in range(num_layers):
+            backend.forward(query, caches[0], caches[1], meta, output, scale, 0, softcap)
+
+    return layers
+
+
+def _build_first_steps(backend: AttentionBackend, spec: AttentionSpec, metas: list[StepMetadata],
+                       caches: tuple) -> None:
+    """Build the Triton kernels of each shape's first step at once (ops/triton_build.py), not one after another
+    inside the timing's first calls; a backend without Triton kernels of its own is left alone."""
+    from hf_accel.ops.triton_build import ahead, build_ahead_enabled, build_in_parallel
+
+    if not (backend.builds_triton_kernels and build_ahead_enabled()):
+        return
+
+    def first_step(meta: StepMetadata) -> None:
+        backend.prepare(meta)
+        _step_fn(backend, spec, meta, caches, 1)()
+
+    build_in_parallel([ahead(lambda m=m: first_step(m)) for m in metas])
+
+
 def _time_shape(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetadata, caches: tuple, *,
                 num_layers: int, budget_s: float, graph: bool) -> tuple[float, float]:
     """Milliseconds of one step of this shape (host prepare() plus the GPU time of num_layers forwards), and the
@@ -106,16 +138,7 @@ def _time_shape(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetada
     step either way, so its median wall time is added.
     """
     device = backend.device
-    rows = meta.slot_mapping.shape[0]
-    query = torch.randn(rows, spec.num_heads, spec.head_dim, device=device, dtype=spec.dtype)
-    output = torch.empty_like(query)
-    scale = spec.head_dim**-0.5
-    softcap = 50.0 if spec.uses_softcap else 0.0
-
-    def layers() -> None:
-        for _ in range(num_layers):
-            backend.forward(query, caches[0], caches[1], meta, output, scale, 0, softcap)
-
+    layers = _step_fn(backend, spec, meta, caches, num_layers)
     t_first = time.perf_counter()
     backend.prepare(meta)
     layers()  # may compile or plan; raises for a candidate that cannot run this shape
@@ -164,6 +187,7 @@ def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: to
     graph_decode = decode_in_graph and backend.cudagraph_support != CUDAGraphSupport.NEVER
     if graph_decode and hasattr(backend, "set_cudagraph_batch_sizes"):
         backend.set_cudagraph_batch_sizes([len(decode_seqs)])
+    _build_first_steps(backend, spec, [decode_meta, prefill_meta], caches)
     decode_ms, decode_first_s = _time_shape(backend, spec, decode_meta, caches, num_layers=num_layers,
                                             budget_s=budget_s / 2, graph=graph_decode)
     prefill_ms, prefill_first_s = _time_shape(backend, spec, prefill_meta, caches, num_layers=num_layers,

@@ -66,6 +66,9 @@ class AttentionBackend:
     min_compute_capability: ClassVar[tuple[int, int] | None] = None  # oldest CUDA GPU it runs on (None: any)
     kv_layout: ClassVar[KVLayout] = KVLayout.NHD
     cudagraph_support: ClassVar[CUDAGraphSupport] = CUDAGraphSupport.NEVER
+    # its kernels are our Triton ones, launched through ops.triton_build.launcher: a first step can be built
+    # ahead, compile-only, in parallel (the autotune's first calls)
+    builds_triton_kernels: ClassVar[bool] = False
 
     def capture_variant(self, num_seqs: int, uniform_decode: bool) -> Hashable:
         """What, besides the padded size's warm-up class, picks this backend's kernels and state in a full CUDA graph

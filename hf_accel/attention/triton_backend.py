@@ -45,6 +45,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window = True
     requires_cuda = True
     cudagraph_support = CUDAGraphSupport.ALWAYS
+    builds_triton_kernels = True
 
     @classmethod
     def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:

@@ -139,6 +139,19 @@ def end_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cud
                            "ops or memory on this device may misbehave", type(exc).__name__, exc)
 
 
+def warmup_representatives(keys: Iterable[Hashable],
+                           warmup_key: Callable[[Hashable], Hashable] | None) -> list[Hashable]:
+    """The first key of each warm-up class, in order: the keys `capture_with_warmups` warms up (retries aside)."""
+    seen: set[Hashable] = set()
+    out = []
+    for key in keys:
+        cls = warmup_key(key) if warmup_key is not None else ("key", key)
+        if cls not in seen:
+            seen.add(cls)
+            out.append(key)
+    return out
+
+
 def capture_with_warmups(keys: Iterable[Hashable], warmup_key: Callable[[Hashable], Hashable] | None,
                          warm_up: Callable[[Hashable], Any], capture: Callable[[Hashable], Any],
                          on_retry: Callable[[], Any], what: str) -> None:

@@ -411,21 +411,51 @@ class ModelRunner:
                 self._tune_linears(info, phase, dtype, pdl, cache.path)
 
         capture_class = capture_warmup_class(self.model, small_m_gemm=small_m_gemm, tensor_parallel=tp is not None)
+        metas: dict = {}
+
+        def run_piece(t: int):
+            meta = self.upload(self.dummy_inputs([t]))
+            self.backend.prepare(meta)
+            with forward_context(self.context(meta)):
+                return self.piecewise(self.input_ids[:t][None], self.positions[:t][None], self.logits_indices[:1])
+
+        def prepare_full(key):
+            b = key.num_tokens
+            lens = self.full_capture_query_lens(key, self.max_model_len)
+            metas[key] = meta = self.upload(self.dummy_inputs(lens), b, b)
+            self.backend.prepare(meta)
+
+        def run_full(key):
+            b = key.num_tokens
+            with forward_context(self.context(metas[key])):
+                if self.piecewise is not None:
+                    with self.piecewise.graphs_disabled():
+                        return self.piecewise(self.input_ids[:b][None], self.positions[:b][None],
+                                              self.decode_logits_indices[:b])
+                return self.forward_2d(self.input_ids[:b][None], self.positions[:b][None],
+                                       self.decode_logits_indices[:b])
+
+        def full_warmup_class(key) -> Hashable:
+            return capture_class(key.num_tokens), self.backend.capture_variant(key.num_tokens, key.uniform_decode)
 
         def capture_graphs() -> None:
+            from hf_accel.ops.triton_build import build_ahead_enabled
+
+            keys = self.dispatcher.full_capture_keys() if on_cuda else []
+            graphs = compile and on_cuda and self.piecewise.use_cudagraph
+            piece_sizes = self.dispatcher.piecewise_sizes if graphs else []
+            warm_cache = bool((info.get("compile_cache") or {}).get("warm"))
+            if (piece_sizes or keys) and tp is None and not warm_cache and build_ahead_enabled():
+                t0 = time.perf_counter()
+                phase("build kernels", "the graph warm-ups' Triton kernels, in parallel")
+                info["capture_build_ahead"] = self._build_capture_kernels_ahead(
+                    piece_sizes, capture_class, run_piece, keys, full_warmup_class, prepare_full, run_full)
+                info["capture_s"] += time.perf_counter() - t0
             if compile:
                 t0 = time.perf_counter()
-
-                def run_piece(t: int):
-                    meta = self.upload(self.dummy_inputs([t]))
-                    self.backend.prepare(meta)
-                    with forward_context(self.context(meta)):
-                        return self.piecewise(self.input_ids[:t][None], self.positions[:t][None],
-                                              self.logits_indices[:1])
-
                 if on_cuda:
                     phase("capture CUDA graphs", f"piecewise: {len(self.dispatcher.piecewise_sizes)} sizes, "
-                                                 f"full: {len(self.dispatcher.full_capture_keys())} batch shapes")
+                                                 f"full: {len(keys)} batch shapes")
                     self.piecewise.capture(self.dispatcher.piecewise_sizes, run_piece, warmup_key=capture_class)
                     stats = self.piecewise.stats
                     info["capture_split"] = {"piecewise_s": time.perf_counter() - t0,
@@ -435,7 +465,6 @@ class ModelRunner:
                                              "piecewise_warmups": stats.capture_warmups,
                                              "piecewise_retries": stats.capture_retries}
                 info["capture_s"] += time.perf_counter() - t0
-            keys = self.dispatcher.full_capture_keys() if on_cuda else []
             if keys:
                 t0 = time.perf_counter()
                 if not (compile and on_cuda):
@@ -444,28 +473,8 @@ class ModelRunner:
                 # (a failed capture's pool is not captured into again; compilation/cuda_graph.capture_graph)
                 shared = self.piecewise.graph_pool if self.piecewise is not None else None
                 self.full_graphs = FullCUDAGraphRunner(shared if shared is not None else pool)
-                metas: dict = {}
-
-                def prepare_full(key):
-                    b = key.num_tokens
-                    lens = self.full_capture_query_lens(key, self.max_model_len)
-                    metas[key] = meta = self.upload(self.dummy_inputs(lens), b, b)
-                    self.backend.prepare(meta)
-
-                def run_full(key):
-                    b = key.num_tokens
-                    with forward_context(self.context(metas[key])):
-                        if self.piecewise is not None:
-                            with self.piecewise.graphs_disabled():
-                                return self.piecewise(self.input_ids[:b][None], self.positions[:b][None],
-                                                      self.decode_logits_indices[:b])
-                        return self.forward_2d(self.input_ids[:b][None], self.positions[:b][None],
-                                               self.decode_logits_indices[:b])
-
                 self.full_graphs.capture(keys, run_full, prepare_fn=prepare_full, sort_key=lambda k: k.num_tokens,
-                                         warmup_key=lambda k: (capture_class(k.num_tokens),
-                                                               self.backend.capture_variant(k.num_tokens,
-                                                                                            k.uniform_decode)))
+                                         warmup_key=full_warmup_class)
                 info.setdefault("capture_split", {}).update(
                     full_s=time.perf_counter() - t0, full_warmup_s=self.full_graphs.warmup_seconds,
                     full_graphs=len(keys), full_warmups=self.full_graphs.warmups, full_retries=self.full_graphs.retries)
@@ -489,6 +498,38 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             info["graph_pool_bytes"] = max(0, torch.cuda.memory_reserved(self.device) - before)
         return info
+
+    def _build_capture_kernels_ahead(self, piece_sizes: list[int], piece_class: Callable[[int], Hashable],
+                                     run_piece: Callable[[int], object], full_keys: list,
+                                     full_class: Callable[[object], Hashable], prepare_full: Callable[[object], object],
+                                     run_full: Callable[[object], object]) -> dict:
+        """Build the Triton kernels the capture warm-ups will launch, all at once (ops/triton_build.py: `ahead`).
+
+        One forward per warm-up class, in the capture's own order and with its own inputs, with our kernels'
+        launches compile-only; the builds run in a thread pool meanwhile. The warm-ups then find every kernel built
+        instead of building each on its first launch, one after another. Inductor's kernels were built when the
+        pieces were compiled; library kernels (cuBLAS) are untouched. A forward here that fails is logged and
+        skipped: its warm-up builds what is missing, as without this step."""
+        from hf_accel.compilation.cuda_graph import warmup_representatives
+        from hf_accel.ops.triton_build import ahead, build_in_parallel
+
+        def piece(t: int) -> None:
+            with self.piecewise.graphs_disabled():
+                run_piece(t)
+
+        def full(key) -> None:
+            prepare_full(key)
+            run_full(key)
+
+        warmups = [ahead(lambda t=t: piece(t))
+                   for t in warmup_representatives(sorted(set(piece_sizes), reverse=True), piece_class)]
+        warmups += [ahead(lambda k=k: full(k))
+                    for k in warmup_representatives(sorted(set(full_keys), key=lambda k: k.num_tokens, reverse=True),
+                                                    full_class)]
+        report = build_in_parallel(warmups)  # in the grad mode of the captures: no Dynamo guard differs
+        torch.cuda.synchronize(self.device)
+        report["forwards"] = len(warmups)
+        return report
 
     def drop_graphs(self, sizes: list[int]) -> None:
         """Forget every captured graph; each step then runs the compiled forward (or eager) as it is."""

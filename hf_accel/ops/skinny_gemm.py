@@ -21,7 +21,6 @@ This module imports triton at the top; callers import it lazily.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.ops.pdl import launch_kwargs
-from hf_accel.ops.triton_build import settle_cache_keys
+from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 MAX_M = 64  # rows this kernel is meant for; above it cuBLAS's large-M tiles win
 
@@ -190,7 +189,7 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     in_gemm = split == 1 or fused  # the GEMM kernel itself writes the output (bias and scale there)
     stride_xm, stride_wn, stride_ym = strides
     grid = (triton.cdiv(n, config.block_n), split)
-    gemm = functools.partial(_skinny_gemm_kernel.warmup, grid=grid) if warmup else _skinny_gemm_kernel[grid]
+    gemm = launcher(_skinny_gemm_kernel, grid, warmup)
     built = [gemm(
         x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
         counters if fused else part, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym,
@@ -202,7 +201,7 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     if split > 1 and not fused:
         block = min(1024, triton.next_power_of_2(n))
         grid = (triton.cdiv(n, block), m)
-        reduce = functools.partial(_split_reduce_kernel.warmup, grid=grid) if warmup else _split_reduce_kernel[grid]
+        reduce = launcher(_split_reduce_kernel, grid, warmup)
         built.append(reduce(
             part, bias if has_bias else weight, scale if has_scale else weight, y, m, n, stride_ym, SPLIT_K=split,
             BLOCK=block, HAS_BIAS=has_bias, HAS_SCALE=has_scale, USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.ops.pdl import launch_kwargs
-from hf_accel.ops.triton_build import settle_cache_keys
+from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_h = max(1, min(triton.next_power_of_2(num_kv_heads), 2048 // head_dim_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
-    _write_kv_kernel[grid](
+    launcher(_write_kv_kernel, grid)(
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

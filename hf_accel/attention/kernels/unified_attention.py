@@ -17,7 +17,7 @@ import triton.language as tl
 
 from hf_accel.attention.kernels.common import TileConfig, attend_tile, dot_precision, find_seq
 from hf_accel.ops.pdl import launch_kwargs
-from hf_accel.ops.triton_build import settle_cache_keys
+from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_seqs", "window"])
@@ -151,7 +151,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_m = max(cfg.block_m, group_pad)
     block_q = block_m // group_pad
     grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads)
-    _unified_attention_kernel[grid](
+    launcher(_unified_attention_kernel, grid)(
         query, k_cache, v_cache, output, query_start_loc, seq_lens, block_tables,
         float(scale), float(softcap), int(sliding_window), num_tokens, num_seqs,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
