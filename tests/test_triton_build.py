@@ -79,6 +79,30 @@ def test_submitted_builds_run_in_the_pool_threads():
     assert threads and all(name.startswith("hf_accel-triton-build") for name in threads)
 
 
+def test_builds_start_once_every_warmup_has_submitted():
+    """Held builds: no build runs while warm-ups still submit (Triton's front end would take the GIL from them)."""
+    from triton.runtime._async_compile import active_mode
+
+    events = []
+
+    def warmup(i):
+        events.append(("submit", i))
+        future = active_mode.get().executor.submit(lambda: events.append(("build", i)) or _Kernel(str(i)))
+        return _Future(future)  # not waited on here, as Triton's warmup under the async mode
+
+    class _Future:
+        def __init__(self, future):
+            self.future = future
+
+        def result(self, ignore_errors=False):
+            return self.future.result()
+
+    report = triton_build.build_in_parallel([lambda i=i: warmup(i) for i in range(6)], workers=3)
+    assert report["kernels"] == 6
+    first_build = next(k for k, (what, _) in enumerate(events) if what == "build")
+    assert [what for what, _ in events[:first_build]] == ["submit"] * 6
+
+
 def test_failures_are_counted_not_raised_and_lists_are_flattened():
     shared = _Kernel("shared")
 
@@ -404,7 +428,7 @@ def test_gpu_capture_warmups_build_no_kernel_of_ours_after_the_build_ahead(tmp_p
 import json, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 import triton.runtime.jit as jit
-from hf_accel import accelerate_model, engine_info
+from hf_accel import AccelConfig, accelerate_model, engine_info
 from hf_accel.compilation.cuda_graph import FullCUDAGraphRunner
 from hf_accel.compilation.piecewise import PiecewiseForward
 
@@ -434,7 +458,8 @@ config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2
 model = LlamaForCausalLM(config).to("cuda", torch.float32).eval()
 ids = torch.randint(3, 500, (2, 12), device="cuda")
 stock = model.generate(ids, max_new_tokens=6, do_sample=False)
-accelerate_model(model, compile_cache_dir=sys.argv[1], max_num_seqs=8, attention_backend="triton")
+accelerate_model(model, config=AccelConfig(compile_cache_dir=sys.argv[1]), max_num_seqs=8,
+                 attention_backend="triton")
 ours = model.generate(ids, max_new_tokens=6, do_sample=False)
 info = engine_info(model)["startup"]
 print(json.dumps({"same": bool(torch.equal(stock, ours)), "warmup_builds": state["warmup_builds"],
