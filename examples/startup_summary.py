@@ -21,6 +21,8 @@ def main(path: str) -> None:
               {k: round(v, 2) for k, v in (s.get("phases") or {}).items()}, s.get("trace_source"),
               {k: round(v, 2) for k, v in (s.get("capture_split") or {}).items()},
               "small-M build ahead:", {k: round(v, 2) if isinstance(v, float) else v for k, v in build.items()},
+              "capture build ahead:", {k: round(v, 2) if isinstance(v, float) else v
+                                       for k, v in (s.get("capture_build_ahead") or {}).items()},
               "Triton kernels built:", rec.get("triton_kernels_built", "?"))
 
 
