@@ -79,30 +79,6 @@ def test_submitted_builds_run_in_the_pool_threads():
     assert threads and all(name.startswith("hf_accel-triton-build") for name in threads)
 
 
-def test_builds_start_once_every_warmup_has_submitted():
-    """Held builds: no build runs while warm-ups still submit (Triton's front end would take the GIL from them)."""
-    from triton.runtime._async_compile import active_mode
-
-    events = []
-
-    def warmup(i):
-        events.append(("submit", i))
-        future = active_mode.get().executor.submit(lambda: events.append(("build", i)) or _Kernel(str(i)))
-        return _Future(future)  # not waited on here, as Triton's warmup under the async mode
-
-    class _Future:
-        def __init__(self, future):
-            self.future = future
-
-        def result(self, ignore_errors=False):
-            return self.future.result()
-
-    report = triton_build.build_in_parallel([lambda i=i: warmup(i) for i in range(6)], workers=3)
-    assert report["kernels"] == 6
-    first_build = next(k for k, (what, _) in enumerate(events) if what == "build")
-    assert [what for what, _ in events[:first_build]] == ["submit"] * 6
-
-
 def test_failures_are_counted_not_raised_and_lists_are_flattened():
     shared = _Kernel("shared")
 

@@ -41,13 +41,11 @@ from __future__ import annotations
 
 import ast
 import contextvars
-import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -223,69 +221,12 @@ def _distinct_kernels(futures: list, report: dict) -> list:
     return kernels
 
 
-class _HeldExecutor:
-    """An executor that holds what is submitted until `release()`, then runs it in `pool`.
-
-    Why: Triton's front end (Python) holds the GIL, so builds running while the warm-ups still submit slow the
-    submitting thread down, and a warm-up that is a whole forward (`ahead`) submits its kernels one by one as it
-    goes: on the H200, 18 forwards with 16 threads building beside them took 3 s to submit 15-26 kernels. Held,
-    the forwards run alone and the builds all start together.
-
-    Whoever waits for a held build (a Triton kernel launched for real inside a warm-up, e.g. one that does not go
-    through `launcher`, blocks on its build) releases them all first, so nothing waits on a build never started."""
-
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self.pool = pool
-        self.held: list[tuple[Future, Callable[[], object]]] | None = []
-        self.lock = threading.Lock()
-
-    def submit(self, fn: Callable[..., object], /, *args, **kwargs) -> Future:
-        with self.lock:
-            if self.held is not None:
-                outer = _HeldFuture(self)
-                self.held.append((outer, functools.partial(fn, *args, **kwargs)))
-                return outer
-        return self.pool.submit(fn, *args, **kwargs)
-
-    def release(self) -> None:
-        with self.lock:
-            held, self.held = self.held or [], None
-        for outer, call in held:
-            if outer.set_running_or_notify_cancel():
-                self.pool.submit(_settle, outer, call)
-
-
-class _HeldFuture(Future):
-    """A held build's future: waiting for it releases the held builds (`_HeldExecutor`)."""
-
-    def __init__(self, owner: _HeldExecutor) -> None:
-        super().__init__()
-        self._owner = owner
-
-    def result(self, timeout: float | None = None):
-        self._owner.release()
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None):
-        self._owner.release()
-        return super().exception(timeout)
-
-
-def _settle(outer: Future, call: Callable[[], object]) -> None:
-    try:
-        outer.set_result(call())
-    except BaseException as exc:
-        outer.set_exception(exc)
-
-
 def _submit_all(mode_cls, pool: ThreadPoolExecutor, warmups: list, report: dict) -> list | None:
     """Call every warm-up under the async compile mode (its exit waits for the builds); what they returned, or None
-    when the mode could not be used (another one active in this thread, or this triton's differs). The builds start
-    once every warm-up has been called (`_HeldExecutor`)."""
+    when the mode could not be used (another one active in this thread, or this triton's differs)."""
     futures: list = []
-    held = _HeldExecutor(pool)
     try:
-        mode = mode_cls(held, ignore_errors=True)
+        mode = mode_cls(pool, ignore_errors=True)
         mode.__enter__()
     except Exception as exc:
         logger.debug("hf_accel: Triton's async compile mode is unavailable (%s); kernels build on first call", exc)
@@ -300,7 +241,6 @@ def _submit_all(mode_cls, pool: ThreadPoolExecutor, warmups: list, report: dict)
                 continue
             futures.extend(built if isinstance(built, list) else [built])
     finally:
-        held.release()
         mode.__exit__(None, None, None)
     return futures
 
