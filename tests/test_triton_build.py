@@ -310,14 +310,22 @@ class _StandInKernel:
     """A JIT function as a launch site sees it: `kernel[grid](...)` runs it, `kernel.warmup(...)` only builds."""
 
     def __init__(self):
-        self.ran, self.built = [], []
+        self.ran, self.built, self.threads = [], [], []
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.ran.append((grid, args, kwargs))
 
     def warmup(self, *args, grid, **kwargs):
+        """As Triton's: under the async compile mode the build goes to the mode's executor (a pool thread)."""
+        from triton.runtime._async_compile import active_mode
+
         self.built.append((grid, args, kwargs))
-        return _Future(_Kernel(f"k{len(self.built)}"))
+        kernel = _Kernel(f"k{len(self.built)}")
+        mode = active_mode.get()
+        if mode is None:
+            return kernel
+        return _Future(mode.executor.submit(lambda: (self.threads.append(threading.current_thread().name),
+                                                     kernel)[1]).result())
 
 
 def test_launcher_runs_the_kernel_outside_ahead_and_builds_it_inside():
@@ -365,6 +373,65 @@ def test_ahead_steps_build_in_the_pool_and_a_failing_step_is_counted():
     report = triton_build.build_in_parallel([triton_build.ahead(lambda: step(3)), triton_build.ahead(broken),
                                              triton_build.ahead(lambda: step(2))], workers=2)
     assert report["kernels"] == 5 and report["failed"] == 1 and kernel.ran == []
+    assert len(kernel.threads) == 5 and all(t.startswith("hf_accel-triton-build") for t in kernel.threads)
+
+
+def test_building_ahead_is_seen_only_inside_ahead():
+    seen = []
+    triton_build.ahead(lambda: seen.append(triton_build.building_ahead()))()
+    assert seen == [True] and not triton_build.building_ahead()
+
+
+def test_a_failed_build_is_forgotten_so_the_next_launch_builds_again():
+    """An older triton may keep a failed build's future in the kernel cache: dropped after the build, so the next
+    launch compiles again instead of re-raising the old failure forever. A finished build stays."""
+    import inspect
+    from concurrent.futures import Future
+
+    from triton.runtime._async_compile import FutureKernel
+
+    names = list(inspect.signature(FutureKernel.__init__).parameters)[1:]
+    parts = {"finalize_compile": lambda k: None, "cleanup_compile": lambda fk: None}
+    if set(names) - set(parts) != {"future"}:
+        pytest.skip(f"this triton's FutureKernel takes {names}")
+
+    def future_kernel(future):
+        return FutureKernel(*[future if n == "future" else parts[n] for n in names])
+
+    failed, done = Future(), Future()
+    failed.set_exception(RuntimeError("ptxas was killed"))
+    done.set_result("kernel")
+    bad = future_kernel(failed)
+    bad.result(ignore_errors=True)  # what the async mode's exit does; the placeholder stays in the cache
+    good = future_kernel(done)
+    good.result()
+
+    class _Jit:
+        device_caches = {0: ({"bad": bad, "good": good, "plain": "compiled"}, {}, None, None, None)}
+
+    jit = _Jit()
+    triton_build._COMPILED_ONLY.add(jit)
+    try:
+        assert triton_build._drop_failed_builds() == 1
+        assert set(jit.device_caches[0][0]) == {"good", "plain"}
+    finally:
+        triton_build._COMPILED_ONLY.discard(jit)
+
+
+def test_every_launch_of_our_kernels_goes_through_launcher():
+    """A `kernel[grid](...)` launch elsewhere would run for real inside `ahead` (and wait for its build there)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(triton_build.__file__).resolve().parents[1]
+    direct = []
+    for path in root.rglob("*.py"):
+        if path.name == "triton_build.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\b\w*_kernel\[[^\]]*\]\s*\(", line):
+                direct.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not direct, direct
 
 
 def test_build_ahead_switch(monkeypatch):
@@ -438,8 +505,10 @@ accelerate_model(model, config=AccelConfig(compile_cache_dir=sys.argv[1]), max_n
                  attention_backend="triton")
 ours = model.generate(ids, max_new_tokens=6, do_sample=False)
 info = engine_info(model)["startup"]
+split = info.get("capture_split") or {}
 print(json.dumps({"same": bool(torch.equal(stock, ours)), "warmup_builds": state["warmup_builds"],
-                  "builds": state["builds"], "ahead": info.get("capture_build_ahead")}))
+                  "builds": state["builds"], "ahead": info.get("capture_build_ahead"),
+                  "retries": split.get("piecewise_retries", 0) + split.get("full_retries", 0)}))
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
@@ -453,3 +522,31 @@ print(json.dumps({"same": bool(torch.equal(stock, ours)), "warmup_builds": state
     assert result["same"], result
     assert result["ahead"] and result["ahead"]["kernels"] > 0 and result["ahead"]["forwards"] > 0, result
     assert result["warmup_builds"] == [], result
+    assert result["retries"] == 0, result
+
+
+def test_autotune_builds_first_steps_only_for_triton_kernels_and_never_raises(monkeypatch):
+    from hf_accel.attention import autotune
+
+    calls = []
+    monkeypatch.setattr(triton_build, "build_in_parallel", lambda warmups, workers=None: calls.append(len(warmups)))
+
+    class _Library:  # a backend whose kernels are a library's
+        builds_triton_kernels = False
+
+    assert autotune._build_first_steps(_Library(), None, [object(), object()], ()) == 0.0 and calls == []
+
+    class _Ours:
+        builds_triton_kernels = True
+        name = "triton"
+
+    assert autotune._build_first_steps(_Ours(), None, [object(), object()], ()) >= 0.0 and calls == [2]
+
+    def broken(warmups, workers=None):
+        raise OSError("no threads left")
+
+    monkeypatch.setattr(triton_build, "build_in_parallel", broken)
+    assert autotune._build_first_steps(_Ours(), None, [object()], ()) >= 0.0  # logged, the first calls build
+    monkeypatch.setenv("HF_ACCEL_BUILD_AHEAD", "0")
+    monkeypatch.setattr(triton_build, "build_in_parallel", lambda warmups, workers=None: calls.append(0))
+    assert autotune._build_first_steps(_Ours(), None, [object()], ()) == 0.0 and calls == [2]

@@ -113,19 +113,26 @@ def _step_fn(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetadata,
 
 
 def _build_first_steps(backend: AttentionBackend, spec: AttentionSpec, metas: list[StepMetadata],
-                       caches: tuple) -> None:
+                       caches: tuple) -> float:
     """Build the Triton kernels of each shape's first step at once (ops/triton_build.py), not one after another
-    inside the timing's first calls; a backend without Triton kernels of its own is left alone."""
+    inside the timing's first calls; returns the seconds it took. A backend without Triton kernels of its own is
+    left alone. Never raises: whatever did not build here builds in the first calls, as before."""
     from hf_accel.ops.triton_build import ahead, build_ahead_enabled, build_in_parallel
 
     if not (backend.builds_triton_kernels and build_ahead_enabled()):
-        return
+        return 0.0
 
     def first_step(meta: StepMetadata) -> None:
         backend.prepare(meta)
         _step_fn(backend, spec, meta, caches, 1)()
 
-    build_in_parallel([ahead(lambda m=m: first_step(m)) for m in metas])
+    t0 = time.perf_counter()
+    try:
+        build_in_parallel([ahead(lambda m=m: first_step(m)) for m in metas])
+    except Exception as exc:
+        logger.info("attention autotune: building %s's first steps ahead failed (%s: %s)", backend.name,
+                    type(exc).__name__, exc)
+    return time.perf_counter() - t0
 
 
 def _time_shape(backend: AttentionBackend, spec: AttentionSpec, meta: StepMetadata, caches: tuple, *,
@@ -187,13 +194,13 @@ def _time_candidate(cls: type[AttentionBackend], spec: AttentionSpec, device: to
     graph_decode = decode_in_graph and backend.cudagraph_support != CUDAGraphSupport.NEVER
     if graph_decode and hasattr(backend, "set_cudagraph_batch_sizes"):
         backend.set_cudagraph_batch_sizes([len(decode_seqs)])
-    _build_first_steps(backend, spec, [decode_meta, prefill_meta], caches)
+    build_ahead_s = _build_first_steps(backend, spec, [decode_meta, prefill_meta], caches)
     decode_ms, decode_first_s = _time_shape(backend, spec, decode_meta, caches, num_layers=num_layers,
                                             budget_s=budget_s / 2, graph=graph_decode)
     prefill_ms, prefill_first_s = _time_shape(backend, spec, prefill_meta, caches, num_layers=num_layers,
                                               budget_s=budget_s / 2, graph=False)
     return {"decode_ms": decode_ms, "prefill_ms": prefill_ms, "block_size": float(block_size),
-            "first_call_s": decode_first_s + prefill_first_s}
+            "first_call_s": decode_first_s + prefill_first_s, "build_ahead_s": build_ahead_s}
 
 
 REFERENCE_BACKEND = "torch"
@@ -213,7 +220,8 @@ def autotune_backends(candidates: list[type[AttentionBackend]], spec: AttentionS
     size (the one the engine would give it). `decode_in_graph`: time decode as a CUDA-graph replay (the engine's
     full graphs) or eagerly (graph modes without full graphs).
     Timings per backend name: {"decode_ms", "prefill_ms", "score"} (score = decode_weight * decode + prefill), with
-    "first_call_s" (the untimed first steps, where libraries JIT-compile) and "seconds" (the candidate's whole
+    "first_call_s" (the untimed first steps, where libraries JIT-compile), "build_ahead_s" (our Triton kernels of
+    those steps, built before them in parallel: ops/triton_build.py) and "seconds" (the candidate's whole
     share of autotuning), or {"error": "..."} for a candidate that cannot run here or raised on its first call
     (it is dropped).
     `num_layers` forwards per prepare() weigh the per-step planning cost as a real model would.

@@ -445,11 +445,23 @@ class ModelRunner:
             graphs = compile and on_cuda and self.piecewise.use_cudagraph
             piece_sizes = self.dispatcher.piecewise_sizes if graphs else []
             warm_cache = bool((info.get("compile_cache") or {}).get("warm"))
-            if (piece_sizes or keys) and tp is None and not warm_cache and build_ahead_enabled():
+            stats = self.piecewise.stats if self.piecewise is not None else None
+            ours = self.backend.builds_triton_kernels or bool(stats and (stats.routed_linears
+                                                                         or stats.int8_weight_linears))
+            if (piece_sizes or keys) and ours and tp is None and not warm_cache and build_ahead_enabled():
                 t0 = time.perf_counter()
                 phase("build kernels", "the graph warm-ups' Triton kernels, in parallel")
-                info["capture_build_ahead"] = self._build_capture_kernels_ahead(
-                    piece_sizes, capture_class, run_piece, keys, full_warmup_class, prepare_full, run_full)
+                try:
+                    report = self._build_capture_kernels_ahead(
+                        piece_sizes, capture_class, run_piece, keys, full_warmup_class, prepare_full, run_full)
+                except Exception as exc:  # an optimisation: the warm-ups build whatever is missing, as before
+                    logger.warning("hf_accel: building the graph warm-ups' kernels ahead failed (%s: %s); they "
+                                   "build in the warm-ups", type(exc).__name__, exc)
+                    report = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                if report.get("failed"):
+                    logger.info("hf_accel: %d of the graph warm-ups' kernels (or warm-up forwards) did not build "
+                                "ahead; the warm-ups build them", report["failed"])
+                info["capture_build_ahead"] = report
                 info["capture_s"] += time.perf_counter() - t0
             if compile:
                 t0 = time.perf_counter()
@@ -506,10 +518,10 @@ class ModelRunner:
         """Build the Triton kernels the capture warm-ups will launch, all at once (ops/triton_build.py: `ahead`).
 
         One forward per warm-up class, in the capture's own order and with its own inputs, with our kernels'
-        launches compile-only; the builds run in a thread pool meanwhile. The warm-ups then find every kernel built
-        instead of building each on its first launch, one after another. Inductor's kernels were built when the
-        pieces were compiled; library kernels (cuBLAS) are untouched. A forward here that fails is logged and
-        skipped: its warm-up builds what is missing, as without this step."""
+        launches compile-only (their outputs zeroed); the builds run in a thread pool meanwhile. The warm-ups then
+        find every kernel of ours built instead of building each on its first launch, one after another. Inductor's
+        and libraries' kernels run as in any forward. A forward here that fails is counted and skipped: its warm-up
+        builds what is missing, as without this step."""
         from hf_accel.compilation.cuda_graph import warmup_representatives
         from hf_accel.ops.triton_build import ahead, build_in_parallel
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.ops.triton_build import settle_cache_keys
+from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 SLICE_WORDS = 1 << 18  # int32 words per program (1 MiB): a 0.6B model is ~1,300 programs, an 8B ~16,000
 _BLOCK = 2048  # words per loop step of a program
@@ -172,7 +172,7 @@ def digest_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
             programs = table.shape[1]
             out = torch.empty((2, programs), dtype=torch.int64, device=device)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                _digest_kernel[(programs,)](table, out, A=_A, B=_B, BLOCK=_BLOCK)
+                launcher(_digest_kernel, (programs,))(table, out, A=_A, B=_B, BLOCK=_BLOCK)
             total += out.sum(dim=1)
         position += batch_words
     return total

@@ -56,6 +56,16 @@ logger = logging.getLogger(__name__)
 _AHEAD: contextvars.ContextVar[list | None] = contextvars.ContextVar("hf_accel_build_ahead", default=None)
 
 
+# every JIT function `launcher` compiled without running: their caches are checked for failed builds afterwards
+_COMPILED_ONLY: set = set()
+
+
+def building_ahead() -> bool:
+    """Whether this thread is inside `ahead(...)`: launches compile only, so an op must not rely on its kernel
+    having written its output (our ops zero theirs then, so that the rest of the forward computes on zeros)."""
+    return _AHEAD.get() is not None
+
+
 def build_ahead_enabled() -> bool:
     """Whether the startup builds its graph warm-ups' kernels ahead, in parallel (`HF_ACCEL_BUILD_AHEAD=0`: no)."""
     return os.environ.get("HF_ACCEL_BUILD_AHEAD", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -69,6 +79,7 @@ def launcher(kernel, grid, warmup: bool = False) -> Callable[..., object]:
         return kernel[grid]
 
     def compile_only(*args, **kwargs):
+        _COMPILED_ONLY.add(kernel)
         result = kernel.warmup(*args, grid=grid, **kwargs)
         if built is not None:
             built.append(result)
@@ -203,11 +214,35 @@ def build_in_parallel(warmups: Iterable[Callable[[], object]], workers: int | No
                     report["kernels"] = len(kernels)
                     report["launchers"] = sum(pool.map(_build_launcher, _distinct_launchers(kernels)))
             except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)  # an interrupt waits for running builds only
+                pool.shutdown(wait=False, cancel_futures=True)  # the queued launcher builds are dropped (the mode's exit above waited for the kernels)
                 raise
     finally:
         report["seconds"] = time.perf_counter() - t0
+        _drop_failed_builds()
     return report
+
+
+def _drop_failed_builds() -> int:
+    """Forget the builds that failed under the async mode, so that a kernel's next launch builds it again (and fails
+    loudly if it fails again) instead of finding the failed attempt. triton 3.9 drops them itself; an older one may
+    keep the failed future in the kernel's cache, which would turn one transient failure (an assembler killed for
+    memory, a full disk) into a failure of every later launch of that specialization. Returns how many."""
+    try:
+        from triton.runtime._async_compile import FutureKernel
+    except ImportError:
+        return 0
+    dropped = 0
+    for fn in list(_COMPILED_ONLY):
+        for caches in list(getattr(fn, "device_caches", {}).values()):
+            cache = caches[0] if isinstance(caches, tuple) and caches else None
+            if not isinstance(cache, dict):
+                continue
+            for key, value in list(cache.items()):
+                # after the async mode's exit every build was finalized: one still without a kernel failed
+                if isinstance(value, FutureKernel) and getattr(value, "kernel", None) is None:
+                    del cache[key]
+                    dropped += 1
+    return dropped
 
 
 def _distinct_kernels(futures: list, report: dict) -> list:

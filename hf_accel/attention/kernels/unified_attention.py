@@ -17,7 +17,7 @@ import triton.language as tl
 
 from hf_accel.attention.kernels.common import TileConfig, attend_tile, dot_precision, find_seq
 from hf_accel.ops.pdl import launch_kwargs
-from hf_accel.ops.triton_build import launcher, settle_cache_keys
+from hf_accel.ops.triton_build import building_ahead, launcher, settle_cache_keys
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_seqs", "window"])
@@ -162,6 +162,8 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(query.dtype),
         USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl),
     )
+    if building_ahead():  # compiled, not run (ops/triton_build.ahead): the rest of the forward reads zeros
+        output.zero_()
 
 
 # keys that do not depend on which kernel a process launches first (ops/triton_build.py)
