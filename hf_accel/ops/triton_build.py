@@ -214,7 +214,8 @@ def build_in_parallel(warmups: Iterable[Callable[[], object]], workers: int | No
                     report["kernels"] = len(kernels)
                     report["launchers"] = sum(pool.map(_build_launcher, _distinct_launchers(kernels)))
             except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)  # the queued launcher builds are dropped (the mode's exit above waited for the kernels)
+                # the queued launcher builds are dropped (the async mode's exit already waited for the kernels)
+                pool.shutdown(wait=False, cancel_futures=True)
                 raise
     finally:
         report["seconds"] = time.perf_counter() - t0
