@@ -33,10 +33,10 @@ Building ahead from real code (`launcher`, `ahead`): every launch site of our ke
 inside `ahead(fn)` compiles instead of launching. So the startup runs one forward per CUDA-graph warm-up class with
 its launches compile-only, all the builds in one pool (`build_in_parallel`), and then captures with every kernel
 built: the exact specializations the captures launch (the same tensors, strides and integers), with no second
-description of them to drift. On fresh H200 starts the graph warm-ups had built about a dozen attention and GEMM kernels
-one after another (0.2-1.7 s each; 6.5-9.8 s of warm-ups); built ahead, the same kernels took 3.1-5.1 s and the
-warm-ups 0.4-0.5 s. Triton's front end holds the GIL, so threads do not build these large kernels fully side by
-side. `HF_ACCEL_BUILD_AHEAD=0` turns it off.
+description of them to drift. On fresh H200 starts the graph warm-ups had built about a dozen attention and GEMM
+kernels one after another (0.2-1.7 s each; 6.5-9.8 s of warm-ups); built ahead, the same kernels took 3.1-5.1 s
+and the warm-ups 0.4-0.5 s. Triton's front end holds the GIL, so threads do not build these large kernels fully
+side by side. `HF_ACCEL_BUILD_AHEAD=0` turns it off.
 """
 
 from __future__ import annotations
