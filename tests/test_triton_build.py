@@ -550,3 +550,15 @@ def test_autotune_builds_first_steps_only_for_triton_kernels_and_never_raises(mo
     monkeypatch.setenv("HF_ACCEL_BUILD_AHEAD", "0")
     monkeypatch.setattr(triton_build, "build_in_parallel", lambda warmups, workers=None: calls.append(0))
     assert autotune._build_first_steps(_Ours(), None, [object()], ()) == 0.0 and calls == [2]
+
+
+def test_a_compile_only_launch_zeroes_what_it_declares_it_writes():
+    import torch
+
+    kernel = _StandInKernel()
+    out = torch.full((4,), float("nan"))
+    triton_build.launcher(kernel, (1,), writes=(out,))(out)
+    assert torch.isnan(out).all()  # a real launch: the kernel writes it, the launcher does not touch it
+    triton_build.ahead(lambda: triton_build.launcher(kernel, (1,), writes=(out,))(out))()
+    assert torch.equal(out, torch.zeros(4))  # compiled only: the rest of the forward reads zeros
+    triton_build.launcher(kernel, (1,), warmup=True, writes=(torch.float32,))(torch.float32)  # dtypes: nothing

@@ -162,12 +162,11 @@ def capture_with_warmups(keys: Iterable[Hashable], warmup_key: Callable[[Hashabl
     kernels with the same specializations (None: every key its own class). A key captured without a warm-up of its
     own that fails is warmed up and captured again (`on_retry()` counts it); a second failure raises. `capture` must
     leave no partial state behind when it raises. `what` names the graphs in the log line of a retry."""
-    warmed: set[Hashable] = set()
+    keys = list(keys)
+    first_of_class = set(warmup_representatives(keys, warmup_key))
     for key in keys:
-        cls = warmup_key(key) if warmup_key is not None else ("key", key)
-        if cls not in warmed:
+        if key in first_of_class:
             warm_up(key)
-            warmed.add(cls)
             capture(key)
             continue
         try:

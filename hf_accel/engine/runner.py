@@ -517,11 +517,11 @@ class ModelRunner:
                                      run_full: Callable[[object], object]) -> dict:
         """Build the Triton kernels the capture warm-ups will launch, all at once (ops/triton_build.py: `ahead`).
 
-        One forward per warm-up class, in the capture's own order and with its own inputs, with our kernels'
-        launches compile-only (their outputs zeroed); the builds run in a thread pool meanwhile. The warm-ups then
-        find every kernel of ours built instead of building each on its first launch, one after another. Inductor's
-        and libraries' kernels run as in any forward. A forward here that fails is counted and skipped: its warm-up
-        builds what is missing, as without this step."""
+        One forward per warm-up class (any key of a class runs the same kernels), with the capture's own inputs
+        and our kernels' launches compile-only (their outputs zeroed); the builds run in a thread pool meanwhile.
+        The warm-ups then find every kernel of ours built instead of building each on its first launch, one after
+        another. Inductor's and libraries' kernels run as in any forward. A forward here that fails is counted and
+        skipped: its warm-up builds what is missing, as without this step."""
         from hf_accel.compilation.cuda_graph import warmup_representatives
         from hf_accel.ops.triton_build import ahead, build_in_parallel
 
@@ -533,11 +533,8 @@ class ModelRunner:
             prepare_full(key)
             run_full(key)
 
-        warmups = [ahead(lambda t=t: piece(t))
-                   for t in warmup_representatives(sorted(set(piece_sizes), reverse=True), piece_class)]
-        warmups += [ahead(lambda k=k: full(k))
-                    for k in warmup_representatives(sorted(set(full_keys), key=lambda k: k.num_tokens, reverse=True),
-                                                    full_class)]
+        warmups = [ahead(lambda t=t: piece(t)) for t in warmup_representatives(piece_sizes, piece_class)]
+        warmups += [ahead(lambda k=k: full(k)) for k in warmup_representatives(full_keys, full_class)]
         report = build_in_parallel(warmups)  # in the grad mode of the captures: no Dynamo guard differs
         torch.cuda.synchronize(self.device)
         report["forwards"] = len(warmups)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_accel.ops.triton_build import building_ahead, launcher, settle_cache_keys
+from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 MAX_NORM_BLOCK = 8192  # widest row kept in registers at once; wider rows loop over chunks of this many columns
 MAX_ACT_BLOCK = 1024  # columns of SiLU-and-mul per program
@@ -102,11 +102,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma_style: boo
     weight = weight.contiguous()
     block_n = min(triton.next_power_of_2(n), MAX_NORM_BLOCK)
     num_warps = 4 if block_n <= 1024 else 8 if block_n <= 4096 else 16
-    launcher(_rms_norm_kernel, (x2.shape[0],))(
+    launcher(_rms_norm_kernel, (x2.shape[0],), writes=(out,))(
         x2, weight, out2, x2.stride(0), out2.stride(0), 1.0 / n, float(eps),
         N=n, BLOCK_N=block_n, NUM_CHUNKS=triton.cdiv(n, block_n), GEMMA=gemma_style, num_warps=num_warps,
     )
-    return out.zero_() if building_ahead() else out  # compiled, not run (ops/triton_build.ahead): zeros
+    return out
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -125,11 +125,11 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out2 = out.view(-1, cols)
     block = min(triton.next_power_of_2(cols), MAX_ACT_BLOCK)
     grid = (g2.shape[0], triton.cdiv(cols, block))
-    launcher(_silu_and_mul_kernel, grid)(
+    launcher(_silu_and_mul_kernel, grid, writes=(out,))(
         g2, u2, out2, g2.stride(0), u2.stride(0), out2.stride(0),
         COLS=cols, BLOCK=block, num_warps=4,
     )
-    return out.zero_() if building_ahead() else out  # compiled, not run (ops/triton_build.ahead): zeros
+    return out
 
 
 # keys that do not depend on which kernel a process launches first (ops/triton_build.py)

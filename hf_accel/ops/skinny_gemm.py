@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from hf_accel.ops.pdl import launch_kwargs
-from hf_accel.ops.triton_build import building_ahead, launcher, settle_cache_keys
+from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 MAX_M = 64  # rows this kernel is meant for; above it cuBLAS's large-M tiles win
 
@@ -156,8 +156,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         counters = None
     _launch(x2, weight, bias, scale, y, part, counters, m, n, k, k_per_split, split,
             (x2.stride(0), weight.stride(0), y.stride(0)), config, use_pdl, warmup=False)
-    if building_ahead():  # compiled, not run (ops/triton_build.ahead): the rest of the forward reads zeros
-        y.zero_()
     return y.view(*x.shape[:-1], n)
 
 
@@ -191,7 +189,7 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     in_gemm = split == 1 or fused  # the GEMM kernel itself writes the output (bias and scale there)
     stride_xm, stride_wn, stride_ym = strides
     grid = (triton.cdiv(n, config.block_n), split)
-    gemm = launcher(_skinny_gemm_kernel, grid, warmup)
+    gemm = launcher(_skinny_gemm_kernel, grid, warmup, writes=(y,))
     built = [gemm(
         x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
         counters if fused else part, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym,

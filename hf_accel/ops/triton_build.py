@@ -61,8 +61,7 @@ _COMPILED_ONLY: set = set()
 
 
 def building_ahead() -> bool:
-    """Whether this thread is inside `ahead(...)`: launches compile only, so an op must not rely on its kernel
-    having written its output (our ops zero theirs then, so that the rest of the forward computes on zeros)."""
+    """Whether this thread is inside `ahead(...)`: launches compile only (and zero what they declare they write)."""
     return _AHEAD.get() is not None
 
 
@@ -71,9 +70,11 @@ def build_ahead_enabled() -> bool:
     return os.environ.get("HF_ACCEL_BUILD_AHEAD", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def launcher(kernel, grid, warmup: bool = False) -> Callable[..., object]:
+def launcher(kernel, grid, warmup: bool = False, writes: tuple = ()) -> Callable[..., object]:
     """What a launch site calls with its kernel's arguments: `kernel[grid]`, or Triton's compile-only
-    `kernel.warmup` when `warmup` is set or inside `ahead(...)` (then what it returns is recorded there too)."""
+    `kernel.warmup` when `warmup` is set or inside `ahead(...)`. Inside `ahead` what it returns is recorded there,
+    and the tensors in `writes` (what the launch would write and the forward reads after it) are zeroed: the rest of
+    the compile-only forward computes on zeros, not on whatever memory those tensors got."""
     built = _AHEAD.get()
     if built is None and not warmup:
         return kernel[grid]
@@ -83,6 +84,9 @@ def launcher(kernel, grid, warmup: bool = False) -> Callable[..., object]:
         result = kernel.warmup(*args, grid=grid, **kwargs)
         if built is not None:
             built.append(result)
+            for tensor in writes:
+                if hasattr(tensor, "zero_"):  # a dtype stands in for a tensor in explicit warm-ups
+                    tensor.zero_()
         return result
 
     return compile_only
@@ -90,8 +94,8 @@ def launcher(kernel, grid, warmup: bool = False) -> Callable[..., object]:
 
 def ahead(fn: Callable[[], object]) -> Callable[[], list]:
     """A warm-up for `build_in_parallel` made of real code: calls `fn` with every launch through `launcher`
-    compiled, not run, and returns what those launches built. Everything else `fn` does runs as usual (torch ops
-    read the unwritten outputs: `fn` must not depend on their values)."""
+    compiled, not run, and returns what those launches built. Everything else `fn` does runs as usual, on the zeros
+    the launches left in their outputs: `fn` must not depend on their values."""
     def run() -> list:
         built: list = []
         token = _AHEAD.set(built)

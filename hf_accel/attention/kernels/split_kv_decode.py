@@ -36,7 +36,7 @@ import triton.language as tl
 from hf_accel.attention.kernels.common import TileConfig, attend_tile, dot_precision, find_seq
 from hf_accel.attention.kernels.kv_write import store_at_slot, write_kv
 from hf_accel.ops.pdl import launch_kwargs
-from hf_accel.ops.triton_build import building_ahead, launcher, settle_cache_keys
+from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 MAX_SPLITS = 64
 # Split only while the plain grid would leave the GPU under-filled, and aim for about this many programs per SM.
@@ -292,7 +292,7 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if write:
         assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and slots.shape[0] >= num_tokens
 
-    launcher(_split_kv_decode_kernel, (num_seqs, num_kv_heads, num_splits))(
+    launcher(_split_kv_decode_kernel, (num_seqs, num_kv_heads, num_splits), writes=(output,))(
         query, k_cache, v_cache, po, pl, query_start_loc, seq_lens, block_tables, output,
         counters if fused else pl, new_k, new_v, slots, float(scale), float(softcap), int(sliding_window), num_splits,
         query.stride(0), query.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
@@ -306,16 +306,15 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         USE_PDL=use_pdl, FUSED_MERGE=fused, WRITE_KV=write, IS_SPLIT=not single, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_kwargs(use_pdl),
     )
-    if not (fused or single):
-        launcher(_merge_splits_kernel, (num_tokens, num_heads))(
-            output, po, pl, query_start_loc, seq_lens, num_seqs,
-            output.stride(0), output.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad, USE_PDL=use_pdl, num_warps=4 if head_dim_pad * num_splits >= 4096 else 2,
-            **launch_kwargs(use_pdl),
-        )
-    if building_ahead():  # compiled, not run (ops/triton_build.ahead): the rest of the forward reads zeros
-        output.zero_()
+    if fused or single:
+        return
+    launcher(_merge_splits_kernel, (num_tokens, num_heads))(
+        output, po, pl, query_start_loc, seq_lens, num_seqs,
+        output.stride(0), output.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, USE_PDL=use_pdl, num_warps=4 if head_dim_pad * num_splits >= 4096 else 2,
+        **launch_kwargs(use_pdl),
+    )
 
 
 # keys that do not depend on which kernel a process launches first (ops/triton_build.py)

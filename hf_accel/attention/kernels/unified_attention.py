@@ -17,7 +17,7 @@ import triton.language as tl
 
 from hf_accel.attention.kernels.common import TileConfig, attend_tile, dot_precision, find_seq
 from hf_accel.ops.pdl import launch_kwargs
-from hf_accel.ops.triton_build import building_ahead, launcher, settle_cache_keys
+from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_seqs", "window"])
@@ -151,7 +151,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_m = max(cfg.block_m, group_pad)
     block_q = block_m // group_pad
     grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads)
-    launcher(_unified_attention_kernel, grid)(
+    launcher(_unified_attention_kernel, grid, writes=(output,))(
         query, k_cache, v_cache, output, query_start_loc, seq_lens, block_tables,
         float(scale), float(softcap), int(sliding_window), num_tokens, num_seqs,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
@@ -162,8 +162,6 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(query.dtype),
         USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(use_pdl),
     )
-    if building_ahead():  # compiled, not run (ops/triton_build.ahead): the rest of the forward reads zeros
-        output.zero_()
 
 
 # keys that do not depend on which kernel a process launches first (ops/triton_build.py)
