@@ -49,12 +49,20 @@ def candidates(m: int, k: int) -> list[SkinnyConfig]:
             if split == 1 or k // (split * bk) >= 1]
 
 
+def gemv_candidates(k: int) -> list[SkinnyConfig]:
+    """The one-row kernel's grid (M = 1 only): rows per program x K tile x splits."""
+    tiles = [(2, 1024), (4, 512), (4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512)]
+    return [SkinnyConfig(1, bn, bk, split, 4, 4, gemv=True) for (bn, bk), split in itertools.product(tiles, (1, 2, 4))
+            if split == 1 or k // (split * bk) >= 1]
+
+
 def sweep_linear(shape: str, name: str, n: int, k: int, ms: list[int], use_pdl: bool) -> list[dict]:
     """cuBLAS and the best of the candidate tiles for one weight shape at each M."""
     dev = torch.device("cuda")
     nbytes = n * k * 2
     copies = max(1, -(-200_000_000 // nbytes))
     ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    counters = torch.zeros(-(-n // 2), dtype=torch.int32, device=dev)  # split-K reduces in the launch, as in a step
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -64,26 +72,38 @@ def sweep_linear(shape: str, name: str, n: int, k: int, ms: list[int], use_pdl: 
             it = itertools.cycle(ws)
             if cfg is None:
                 return time_graph(lambda: F.linear(x, next(it)))
-            return time_graph(lambda: skinny_linear(x, next(it), None, cfg, use_pdl))
+            return time_graph(lambda: skinny_linear(x, next(it), None, cfg, use_pdl, counters=counters))
+
+        def best_of(cfgs: list[SkinnyConfig], x=x, ref=ref) -> tuple | None:
+            best = None
+            for cfg in cfgs:
+                try:
+                    out = skinny_linear(x, ws[0], None, cfg, use_pdl, counters=counters)
+                    err = (out.float() - ref.float()).abs().max().item()
+                    t = run(cfg)
+                except Exception as exc:  # a config that does not compile here
+                    print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, cfg, err)
+            return best
 
         t_cublas = run(None)
-        best = None
-        for cfg in candidates(m, k):
-            try:
-                err = (skinny_linear(x, ws[0], None, cfg, use_pdl).float() - ref.float()).abs().max().item()
-                t = run(cfg)
-            except Exception as exc:  # a config that does not compile here
-                print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            if best is None or t < best[0]:
-                best = (t, cfg, err)
+        best = best_of(candidates(m, k))
         row = {"shape": shape, "linear": name, "n": n, "k": k, "m": m, "cublas_us": t_cublas,
                "ours_best_us": best[0], "best": best[1].__dict__,
                "max_abs_err": best[2], "cublas_tbps": nbytes / t_cublas / 1e6, "ours_best_tbps": nbytes / best[0] / 1e6}
+        line = (f"{shape:13s} {name:8s} m={m:3d} n={n:6d} k={k:5d}: cublas {t_cublas:7.2f} us "
+                f"({row['cublas_tbps']:.2f} TB/s)  best {best[0]:7.2f} us "
+                f"({row['ours_best_tbps']:.2f} TB/s) {best[1]} err {best[2]:.3g}")
+        gemv = best_of(gemv_candidates(k)) if m == 1 else None
+        if gemv is not None:
+            row.update(gemv_best_us=gemv[0], gemv_best=gemv[1].__dict__, gemv_max_abs_err=gemv[2],
+                       gemv_best_tbps=nbytes / gemv[0] / 1e6)
+            line += f"\n{'':13s} {'':8s} one-row kernel: {gemv[0]:7.2f} us ({row['gemv_best_tbps']:.2f} TB/s) " \
+                    f"block_n={gemv[1].block_n} block_k={gemv[1].block_k} split={gemv[1].split_k} err {gemv[2]:.3g}"
         rows.append(row)
-        print(f"{shape:13s} {name:8s} m={m:3d} n={n:6d} k={k:5d}: cublas {t_cublas:7.2f} us "
-              f"({row['cublas_tbps']:.2f} TB/s)  best {best[0]:7.2f} us "
-              f"({row['ours_best_tbps']:.2f} TB/s) {best[1]} err {best[2]:.3g}", flush=True)
+        print(line, flush=True)
     return rows
 
 
@@ -99,21 +119,31 @@ def layer_chain(shape: str, results: list[dict], ms: list[int]) -> list[dict]:
     out = []
     for m in ms:
         xs = {nm: torch.randn(m, lin[nm][1], device=dev, dtype=torch.bfloat16) for nm in names}
-        cfgs = {nm: SkinnyConfig(**next(r["best"] for r in results if r["shape"] == shape and r["linear"] == nm
-                                        and r["m"] == m)) for nm in names}
+        rows = {nm: next(r for r in results if r["shape"] == shape and r["linear"] == nm and r["m"] == m)
+                for nm in names}
+        cfgs = {nm: SkinnyConfig(**r["best"]) for nm, r in rows.items()}
+        # the one-row kernel where it beat the tensor-core tiles (M = 1 only)
+        mixed = {nm: SkinnyConfig(**r["gemv_best"]) if r.get("gemv_best_us", float("inf")) < r["ours_best_us"]
+                 else cfgs[nm] for nm, r in rows.items()}
+        counters = torch.zeros(max(lin[nm][0] for nm in names), dtype=torch.int32, device=dev)
 
-        def chain(kind: str, xs=xs, cfgs=cfgs) -> None:
+        def chain(kind: str, xs=xs, cfgs=cfgs, mixed=mixed, counters=counters) -> None:
             for ws in layer_ws:
                 for nm, w in zip(names, ws, strict=True):
                     if kind == "cublas":
                         F.linear(xs[nm], w)
                     else:
-                        skinny_linear(xs[nm], w, None, cfgs[nm], kind == "pdl")
+                        cfg = mixed[nm] if kind == "gemv" else cfgs[nm]
+                        skinny_linear(xs[nm], w, None, cfg, kind != "ours", counters=counters)
 
-        t = {kind: time_graph(lambda k=kind: chain(k), reps=1, samples=9) for kind in ("cublas", "ours", "pdl")}
-        out.append({"shape": shape, "m": m, **{f"{k}_us": v for k, v in t.items()}, "weight_bytes": wbytes})
+        kinds = ("cublas", "ours", "pdl") + (("gemv",) if m == 1 else ())
+        t = {kind: time_graph(lambda k=kind: chain(k), reps=1, samples=9) for kind in kinds}
+        out.append({"shape": shape, "m": m, **{f"{k}_us": v for k, v in t.items()}, "weight_bytes": wbytes,
+                    "gemv_linears": [nm for nm in names if mixed[nm].gemv]})
+        extra = f"  ours+pdl with the one-row kernel {t['gemv']:8.1f} ({[nm for nm in names if mixed[nm].gemv]})" \
+            if "gemv" in t else ""
         print(f"CHAIN {shape:13s} m={m:3d}: cublas {t['cublas']:8.1f} us  ours {t['ours']:8.1f}  "
-              f"ours+pdl {t['pdl']:8.1f}  (weights {wbytes / 1e9:.2f} GB, roofline at 4.25 TB/s "
+              f"ours+pdl {t['pdl']:8.1f}{extra}  (weights {wbytes / 1e9:.2f} GB, roofline at 4.25 TB/s "
               f"{wbytes / 4.25e6:.1f} us)", flush=True)
     return out
 

@@ -48,6 +48,60 @@ def test_kernel_matches_linear(dtype, m, n, k, block_m, block_n, block_k, split,
     assert (y.float() - ref).abs().max().item() <= _tol(dtype, ref)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("n", "k", "block_n", "block_k", "split", "bias"), [
+    (40, 96, 4, 32, 1, False),     # N not a multiple of the rows per program, K of the tile
+    (70, 200, 8, 64, 2, True),     # uneven K split: masked K tail, bias after the reduction
+    (33, 64, 16, 32, 4, True),
+    (50, 300, 4, 64, 3, True),     # a split count that does not divide K
+    (48, 64, 8, 32, 8, False),     # splits beyond K's tiles: the empty ones are dropped
+    (1, 64, 4, 32, 2, False),      # a one-column output (triton makes N a constant)
+    (64, 1024, 8, 1024, 1, False), # one K tile: no loop iteration, only the tile loaded before the PDL wait
+    (24, 512, 2, 128, 1, True),    # four K tiles, each loaded before the previous one is used
+])
+def test_one_row_kernel_matches_linear(dtype, n, k, block_n, block_k, split, bias, fused):
+    """The one-row (GEMV) kernel: one input row, any N and K, split-K reduced by the reduce kernel or in the launch
+    (then the counters are zeros again after it)."""
+    g = torch.Generator().manual_seed(n * 7 + k)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    counters = torch.zeros(triton.cdiv(n, block_n), dtype=torch.int32, device=DEVICE) if fused else None
+    cfg = G.SkinnyConfig(1, block_n, block_k, split, 4, 2, gemv=True)
+    y = G.skinny_linear(x, w, b, cfg, counters=counters)
+    ref = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+    assert y.shape == (1, n) and y.dtype == dtype
+    assert (y.float() - ref).abs().max().item() <= _tol(dtype, ref)
+    assert counters is None or not counters.any()
+    if split > 1 and fused:  # the fused reduction adds the same partials in the same order as the reduce kernel
+        assert torch.equal(y, G.skinny_linear(x, w, b, cfg))
+
+
+def test_one_row_kernel_takes_one_row_only():
+    cfg = G.SkinnyConfig(1, 8, 64, 1, gemv=True)
+    with pytest.raises(AssertionError):
+        G.skinny_linear(torch.randn(2, 64, device=DEVICE), torch.randn(8, 64, device=DEVICE), None, cfg)
+    with pytest.raises(AssertionError, match="one row"):  # a GEMV config must say block_m=1
+        G.skinny_linear(torch.randn(1, 64, device=DEVICE), torch.randn(8, 64, device=DEVICE), None,
+                        G.SkinnyConfig(16, 8, 64, 1, gemv=True))
+
+
+def test_one_row_candidates_only_at_one_row_and_behind_their_switch(monkeypatch):
+    """The tuner times the one-row kernel for the M = 1 bucket of bf16 / fp16 weights only; HF_ACCEL_ONE_ROW_GEMM=0
+    (ONE_ROW_GEMM) leaves it out, and the stored key says which candidate set a decision came from."""
+    one = linear_op._candidates(1)
+    assert any(c.gemv for c in one) and all(c.block_m == 1 for c in one if c.gemv)
+    assert not any(c.gemv for b in linear_op.M_BUCKETS[1:] for c in linear_op._candidates(b))
+    assert not any(c.gemv for c in linear_op._candidates(1, int8=True))
+    monkeypatch.setattr(linear_op.torch.cuda, "get_device_name", lambda index: "GPU")
+    monkeypatch.setattr(linear_op, "device_index", lambda device: 0)
+    on = linear_op._stored_key(torch.device("cuda"), torch.bfloat16, 8, 8, False, 1, True)
+    monkeypatch.setattr(linear_op, "ONE_ROW_GEMM", False)
+    assert not any(c.gemv for c in linear_op._candidates(1))
+    assert linear_op._stored_key(torch.device("cuda"), torch.bfloat16, 8, 8, False, 1, True) != on
+
+
 @pytest.mark.parametrize(("m", "n", "k", "block_m", "block_n", "block_k", "split", "bias"), [
     (1, 40, 96, 16, 16, 32, 1, False),
     (3, 70, 200, 16, 32, 64, 2, True),     # the scale applied after the split reduce, before the bias
@@ -118,15 +172,17 @@ class _LaunchRecorder:
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize(("m", "split"), [(1, 1), (5, 2), (16, 4), (64, 8)])
-def test_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, bias, int8, fused):
+@pytest.mark.parametrize(("m", "split", "gemv"), [(1, 1, False), (5, 2, False), (16, 4, False), (64, 8, False),
+                                                  (1, 1, True), (1, 3, True)])
+def test_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, gemv, bias, int8, fused):
     """`build_skinny_linear` (compile only, dtypes for tensors) asks Triton for exactly the kernels, grids and
     specializations `skinny_linear` launches for a contiguous input of `m` rows, with the split-K reduction fused
     (counters given) or not: what the tuner builds ahead is what it then times."""
     n, k = 96, 320  # K not a multiple of every split: uneven splits and the EVEN_K specialization both occur
-    cfg = G.SkinnyConfig(16 if m <= 16 else 64, 32, 64, split, 4, 2)
+    cfg = G.SkinnyConfig(1 if gemv else 16 if m <= 16 else 64, 32, 64, split, 4, 2, gemv=gemv)
     real, built = [], []
     monkeypatch.setattr(G, "_skinny_gemm_kernel", _LaunchRecorder(real, "gemm"))
+    monkeypatch.setattr(G, "_gemv_kernel", _LaunchRecorder(real, "gemm"))
     monkeypatch.setattr(G, "_split_reduce_kernel", _LaunchRecorder(real, "reduce"))
     x = torch.randn(m, k, dtype=torch.float16)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8) if int8 else torch.randn(n, k, dtype=torch.float16)
@@ -134,6 +190,7 @@ def test_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, bias, int
                     scale=torch.rand(n, dtype=torch.float16) if int8 else None,
                     counters=torch.zeros(8, dtype=torch.int32) if fused else None)
     monkeypatch.setattr(G, "_skinny_gemm_kernel", _LaunchRecorder(built, "gemm"))
+    monkeypatch.setattr(G, "_gemv_kernel", _LaunchRecorder(built, "gemm"))
     monkeypatch.setattr(G, "_split_reduce_kernel", _LaunchRecorder(built, "reduce"))
     G.build_skinny_linear(m, n, k, torch.float16, w.dtype, bias, int8, cfg, use_pdl=False, fused_splits=fused)
     assert real and built == real
@@ -348,19 +405,22 @@ def test_int8_weight_op_on_decode_shapes(use_pdl):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency(fused):
+def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency(fused, gemv):
     """Forty dependent GEMMs (each reads the previous output, split-K ones included, back to back on one set of
     ticket counters when `fused`) replayed from a graph: the same bits with PDL as without, and as run eagerly with
-    the reduce kernel; the counters are zeros after every replay."""
+    the reduce kernel; the counters are zeros after every replay. `gemv`: one row through the one-row kernel, which
+    loads weights before its PDL wait."""
     if not pdl.supported(DEVICE):
         pytest.skip("PDL needs sm90+ and a triton that exposes it")
     torch.manual_seed(0)
     h = 1024
     ws = [torch.randn(h, h, device=DEVICE, dtype=torch.bfloat16) / 32 for _ in range(40)]
-    cfgs = [G.SkinnyConfig(16, 32, 256, 1 + 3 * (i % 2), 4, 4) for i in range(40)]
-    x0 = torch.randn(4, h, device=DEVICE, dtype=torch.bfloat16)
-    counters = torch.zeros(h // 32, dtype=torch.int32, device=DEVICE) if fused else None
+    cfgs = [G.SkinnyConfig(1, 8, 256, 1 + 3 * (i % 2), 4, 4, gemv=True) if gemv
+            else G.SkinnyConfig(16, 32, 256, 1 + 3 * (i % 2), 4, 4) for i in range(40)]
+    x0 = torch.randn(1 if gemv else 4, h, device=DEVICE, dtype=torch.bfloat16)
+    counters = torch.zeros(h // 8, dtype=torch.int32, device=DEVICE) if fused else None
 
     def chain(use_pdl: bool, counters: torch.Tensor | None) -> torch.Tensor:
         y = x0
@@ -453,7 +513,8 @@ def test_candidates_built_ahead_are_the_kernels_the_tuner_runs(int8):
     dev = torch.cuda.current_device()
 
     def compiled() -> int:
-        return sum(len(kernel.device_caches[dev][0]) for kernel in (G._skinny_gemm_kernel, G._split_reduce_kernel))
+        return sum(len(kernel.device_caches[dev][0]) for kernel in (G._skinny_gemm_kernel, G._gemv_kernel,
+                                                                        G._split_reduce_kernel))
 
     todo = [(768, 1536, True, 1), (1536, 768, False, 16), (640, 1536, False, 64)]  # shapes no other test compiles
     before = compiled()

@@ -7,7 +7,8 @@ this op. At run time it looks at M (the rows of this step, a plain int by then) 
 graphs the choice is made once, at capture, so replay costs nothing extra.
 
 Tuning (`tune_linears`, called by the runner after compiling and before capturing) times cuBLAS and a few tile
-configurations of the Triton kernel for every weight shape of the model at M = 1, 16 and 64, each in a CUDA graph of
+configurations of the Triton kernel (at M = 1 also of its one-row kernel) for every weight shape of the model at
+M = 1, 16 and 64, each in a CUDA graph of
 repeated calls over enough weight copies that L2 cannot hold them (HBM-bound, as in a real step). A candidate must
 beat cuBLAS by `MIN_GAIN` (per bucket) to be kept. Decisions are remembered in memory per device and shape, and on
 disk in the compile cache directory, so a warm start tunes nothing.
@@ -46,7 +47,13 @@ TUNE_FILE = "small_m_gemm.json"
 # part of every stored key: decisions of older candidate sets or thresholds are not reused (bump it when the
 # candidates, MIN_GAIN, the int8 tile rule `quantized_linear.default_config` or what is timed change; 3: split-K
 # candidates are timed with their reduction in the same launch, as engine steps run them)
-TUNE_VERSION = 3
+TUNE_VERSION = 4  # 4: the one-row kernel among the M = 1 candidates
+# the one-row (GEMV) kernel of `skinny_gemm` among the M = 1 candidates; HF_ACCEL_ONE_ROW_GEMM=0 leaves it out (the
+# A/B switch; read once per process, and part of the stored key, so either setting keeps its own decisions)
+ONE_ROW_GEMM = os.environ.get("HF_ACCEL_ONE_ROW_GEMM", "1") != "0"
+# (rows per program, K tile) of the one-row candidates, K not split: on the H200 (2026-12-02, every decode linear of
+# the three bench shapes at M = 1) each shape's best one-row configuration had one split, at 2-16 rows per program
+ONE_ROW_TILES = ((2, 1024), (4, 512), (4, 1024), (8, 512), (16, 256), (16, 512))
 
 # (device index, dtype, n, k, has_bias, bucket) -> SkinnyConfig | None (None: cuBLAS); on disk the device is named
 _decisions: dict[tuple, object] = {}
@@ -74,7 +81,7 @@ def _stored_key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int
                 use_pdl: bool) -> str:
     """The on-disk key: the GPU by name (the cache directory may move between machines), the tuning version."""
     name = torch.cuda.get_device_name(device_index(device))
-    return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}|v{TUNE_VERSION}"
+    return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}|rows1={int(ONE_ROW_GEMM)}|v{TUNE_VERSION}"
 
 
 _skinny_linear = None  # hf_accel.ops.skinny_gemm.skinny_linear, imported on first use (it imports triton)
@@ -144,8 +151,11 @@ def _candidates(bucket: int, int8: bool = False) -> list:
         block_m = 64
     # stages: 2 for the 1024-long int8 K tile, whose 4-stage buffers would pass 228 KB of shared memory wherever
     # triton pipelines these loads
-    return [SkinnyConfig(block_m, bn, bk, split, 4, 2 if bk >= 1024 else 4)
-            for bn, bk in tiles for split in (1, 2, 4, 8)]
+    out = [SkinnyConfig(block_m, bn, bk, split, 4, 2 if bk >= 1024 else 4)
+           for bn, bk in tiles for split in (1, 2, 4, 8)]
+    if bucket == 1 and not int8 and ONE_ROW_GEMM:
+        out += [SkinnyConfig(1, bn, bk, 1, 4, 4, gemv=True) for bn, bk in ONE_ROW_TILES]
+    return out
 
 
 def int8_key_dtype(dtype: torch.dtype) -> tuple:

@@ -13,8 +13,17 @@ draws the last ticket sums the tile's partials and sets the counter back to zero
 the same order, so they give the same bits; the fused one saves a launch per split-K linear (a decode step at
 batch 1 has one or two per layer).
 
+A decode step at batch 1 has one row, which `tl.dot` pads to 16: the tensor-core kernel then needs wide, long tiles,
+so few programs each walk a chain of dependent K tiles, and a 4-12 MB linear takes 4-6 us where its bytes alone take
+1-3. The one-row kernel (`SkinnyConfig(gemv=True)`, block_m 1) skips the tensor cores: each program holds 2-16 rows
+of W, multiplies them by x element-wise in float32 and sums each row once after its K loop, so many small programs
+have their loads in flight at once. On the H200 it made every layer's four linears of qwen3-0.6b at M = 1 take
+377 us in one graph against 616 us (`examples/bench_skinny_gemm.py`). The tuner times it beside the tensor-core tiles
+for the M = 1 bucket (`ops/linear.py`, `HF_ACCEL_ONE_ROW_GEMM=0` leaves it out).
+
 Launched with PDL where supported (see `hf_accel.ops.pdl`): it waits for its predecessor before reading `x` and
-before any store, and lets its successor launch once its own loop is done.
+before any store, and lets its successor launch once its own loop is done. The one-row kernel loads its first tile
+of W before the wait: no kernel of a step writes a weight.
 
 This module imports triton at the top; callers import it lazily.
 """
@@ -41,6 +50,8 @@ class SkinnyConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
+    # one row without tensor cores (`_gemv_kernel`): block_m must be 1
+    gemv: bool = False
 
 
 @triton.jit
@@ -80,23 +91,82 @@ def _skinny_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    part0_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # split 0's partial of this tile
+    _finish(acc, y_ptrs, part0_ptrs, M * N, pid_k, counters_ptr + pid_n, b_ptr, s_ptr, offs_n, n_ok, mask,
+            IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr, N, K, K_PER_SPLIT, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr, FUSED_SPLITS: tl.constexpr,
+):
+    """One row (M = 1) without tensor cores: each program multiplies a `[BLOCK_N, K / SPLIT_K]` slice of W by x
+    element-wise in float32 and sums each row once, after the K loop. `tl.dot` pads M to 16, so at M = 1 the GEMM
+    kernel needs tiles wide in N and long in K to keep the tensor cores fed, which leaves few programs with long
+    dependent K loops; here a program can hold a few rows, and many programs each have their loads in flight at
+    once. W's next K tile is loaded before the current one is used, and its first before the PDL wait: no kernel of
+    the step writes a weight, so that load may overlap the previous kernel's tail (x and every store come after
+    the wait)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k0 = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(K, k0 + K_PER_SPLIT)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    x_ptrs = x_ptr + k0 + offs_k
+    # EVEN_K (every split whole tiles of K): no mask along K, so the loads stay 16-byte vectors
+    w = _gemv_tile(w_ptrs, n_ok[:, None], (k0 + offs_k)[None, :], k_end, EVEN_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(BLOCK_K, K_PER_SPLIT, BLOCK_K):  # W's tile k is loaded before tile k - 1 is used
+        w_next = _gemv_tile(w_ptrs + k, n_ok[:, None], (k0 + k + offs_k)[None, :], k_end, EVEN_K)
+        x = _gemv_tile(x_ptrs + (k - BLOCK_K), True, k0 + k - BLOCK_K + offs_k, k_end, EVEN_K)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = w_next
+    last = (K_PER_SPLIT - 1) // BLOCK_K * BLOCK_K
+    x = _gemv_tile(x_ptrs + last, True, k0 + last + offs_k, k_end, EVEN_K)
+    acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])  # the output row, shaped as the GEMM's epilogue sees a tile
+    _finish(row, y_ptr + offs_n[None, :], part_ptr + offs_n[None, :], N, pid_k, counters_ptr + pid_n, b_ptr, s_ptr,
+            offs_n, n_ok, n_ok[None, :], IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS)
+
+
+@triton.jit
+def _gemv_tile(ptrs, row_ok, k_offs, k_end, EVEN_K: tl.constexpr):
+    """A tile of W (or x) at `ptrs`; without EVEN_K, columns at or past `k_end` read as zeros."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=row_ok, other=0)
+    return tl.load(ptrs, mask=row_ok & (k_offs < k_end), other=0)
+
+
+@triton.jit
+def _finish(acc, y_ptrs, part0_ptrs, split_stride, pid_k, counter, b_ptr, s_ptr, offs_n, n_ok, mask,
+            IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, FUSED_SPLITS: tl.constexpr):
+    """After the K loop of either kernel: the output tile (one split), or this split's float32 partial at
+    `part0_ptrs + pid_k * split_stride` and, with FUSED_SPLITS, the reduction by the split that takes the last
+    ticket from this column tile's `counter`."""
     if not IS_SPLIT:
         _store_output(acc, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS, HAS_SCALE)
     else:
-        p_ptrs = part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-        tl.store(p_ptrs, acc, mask=mask)
+        split_stride = pid_k.to(tl.int64) * 0 + split_stride  # int64, even where triton made it a constant (M=N=1)
+        tl.store(part0_ptrs + pid_k * split_stride, acc, mask=mask)
         if FUSED_SPLITS > 0:
             # every thread's partial is stored before one thread takes the ticket (release); the last split's
             # ticket (acquire) then sees all of them. Its loads bypass L1 (.cg), which holds nothing stale of them
             tl.debug_barrier()
-            counter = counters_ptr + pid_n
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == FUSED_SPLITS - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                total = tl.zeros_like(acc)
                 for s in tl.static_range(FUSED_SPLITS):  # fixed order, as the reduce kernel
-                    total += tl.load(part_ptr + (s * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :],
-                                     mask=mask, other=0.0, cache_modifier=".cg")
+                    total += tl.load(part0_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
                 _store_output(total, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS, HAS_SCALE)
 
 
@@ -144,6 +214,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x2 = x2.contiguous()
     m = x2.shape[0]
     assert m <= config.block_m, f"skinny_linear: {m} rows do not fit block_m={config.block_m}"
+    assert not config.gemv or config.block_m == 1, "a GEMV config is for one row (block_m=1)"
     assert weight.stride(-1) == 1 and weight.shape[1] == k
     if bias is not None and bias.stride(0) != 1:  # the kernels read the bias as contiguous
         bias = bias.contiguous()
@@ -189,15 +260,21 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     in_gemm = split == 1 or fused  # the GEMM kernel itself writes the output (bias and scale there)
     stride_xm, stride_wn, stride_ym = strides
     grid = (triton.cdiv(n, config.block_n), split)
-    gemm = launcher(_skinny_gemm_kernel, grid, warmup, writes=(y,))
-    built = [gemm(
-        x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
-        counters if fused else part, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0,
-        IS_SPLIT=split > 1, HAS_BIAS=has_bias and in_gemm, HAS_SCALE=has_scale and in_gemm, USE_PDL=use_pdl,
+    common = dict(
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0, IS_SPLIT=split > 1,
+        HAS_BIAS=has_bias and in_gemm, HAS_SCALE=has_scale and in_gemm, USE_PDL=use_pdl,
         FUSED_SPLITS=split if fused else 0, num_warps=config.num_warps, num_stages=config.num_stages,
         **launch_kwargs(use_pdl),
-    )]
+    )
+    pointers = (x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
+                counters if fused else part)
+    if config.gemv:
+        gemv = launcher(_gemv_kernel, grid, warmup, writes=(y,))
+        built = [gemv(*pointers, n, k, k_per_split, stride_wn, **common)]
+    else:
+        gemm = launcher(_skinny_gemm_kernel, grid, warmup, writes=(y,))
+        built = [gemm(*pointers, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym, BLOCK_M=config.block_m,
+                      **common)]
     if split > 1 and not fused:
         block = min(1024, triton.next_power_of_2(n))
         grid = (triton.cdiv(n, block), m)
