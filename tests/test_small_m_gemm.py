@@ -96,10 +96,44 @@ def test_one_row_candidates_only_at_one_row_and_behind_their_switch(monkeypatch)
     assert not any(c.gemv for c in linear_op._candidates(1, int8=True))
     monkeypatch.setattr(linear_op.torch.cuda, "get_device_name", lambda index: "GPU")
     monkeypatch.setattr(linear_op, "device_index", lambda device: 0)
-    on = linear_op._stored_key(torch.device("cuda"), torch.bfloat16, 8, 8, False, 1, True)
+    cuda = torch.device("cuda")
+
+    def keys() -> list[str]:
+        return [linear_op._stored_key(cuda, dtype, 8, 8, False, b, True)
+                for dtype in (torch.bfloat16, linear_op.int8_key_dtype(torch.bfloat16)) for b in linear_op.M_BUCKETS]
+
+    on = keys()
     monkeypatch.setattr(linear_op, "ONE_ROW_GEMM", False)
     assert not any(c.gemv for c in linear_op._candidates(1))
-    assert linear_op._stored_key(torch.device("cuda"), torch.bfloat16, 8, 8, False, 1, True) != on
+    off = keys()
+    # only the bf16 M = 1 key names the switch: the other buckets' and int8's decisions do not depend on it
+    assert [a != b for a, b in zip(on, off, strict=True)] == [True] + [False] * (len(on) - 1)
+
+
+def test_linears_with_computed_weights_run_without_pdl():
+    """The routing pass gives a linear PDL only where its weight is a parameter or a view of one (the one-row kernel
+    reads weights before its PDL wait); a weight the forward computes could be stored by the kernel just before."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.float16))
+
+        def forward(self, x):
+            packed = torch.as_strided(self.w, (8, 8), (8, 1))  # as merge_packed_linears views a packed block
+            return F.linear(x, self.w), F.linear(x, packed), F.linear(x, self.w[:8]), F.linear(x, self.w * 0.5)
+
+    flags: list = []
+
+    def backend(gm, example_inputs):
+        route_small_m_linears(gm, use_pdl=True, allow_cpu=True)
+        flags.extend(n.args[3] for n in gm.graph.nodes if n.target is torch.ops.hf_accel.linear.default)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(Net(), backend=backend, fullgraph=True)(torch.randn(2, 8, dtype=torch.float16))
+    torch._dynamo.reset()
+    assert flags == [True, True, True, False]
 
 
 @pytest.mark.parametrize(("m", "n", "k", "block_m", "block_n", "block_k", "split", "bias"), [
@@ -182,7 +216,7 @@ def test_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, gemv, bia
     cfg = G.SkinnyConfig(1 if gemv else 16 if m <= 16 else 64, 32, 64, split, 4, 2, gemv=gemv)
     real, built = [], []
     monkeypatch.setattr(G, "_skinny_gemm_kernel", _LaunchRecorder(real, "gemm"))
-    monkeypatch.setattr(G, "_gemv_kernel", _LaunchRecorder(real, "gemm"))
+    monkeypatch.setattr(G, "_gemv_kernel", _LaunchRecorder(real, "gemv"))
     monkeypatch.setattr(G, "_split_reduce_kernel", _LaunchRecorder(real, "reduce"))
     x = torch.randn(m, k, dtype=torch.float16)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8) if int8 else torch.randn(n, k, dtype=torch.float16)
@@ -190,12 +224,13 @@ def test_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, gemv, bia
                     scale=torch.rand(n, dtype=torch.float16) if int8 else None,
                     counters=torch.zeros(8, dtype=torch.int32) if fused else None)
     monkeypatch.setattr(G, "_skinny_gemm_kernel", _LaunchRecorder(built, "gemm"))
-    monkeypatch.setattr(G, "_gemv_kernel", _LaunchRecorder(built, "gemm"))
+    monkeypatch.setattr(G, "_gemv_kernel", _LaunchRecorder(built, "gemv"))
     monkeypatch.setattr(G, "_split_reduce_kernel", _LaunchRecorder(built, "reduce"))
     G.build_skinny_linear(m, n, k, torch.float16, w.dtype, bias, int8, cfg, use_pdl=False, fused_splits=fused)
     assert real and built == real
     split_k = G._split(k, cfg)[1]
-    assert [c[0] for c in real] == (["gemm", "reduce"] if split_k > 1 and not fused else ["gemm"])
+    main = "gemv" if gemv else "gemm"
+    assert [c[0] for c in real] == ([main, "reduce"] if split_k > 1 and not fused else [main])
     assert dict(real[0][3])["FUSED_SPLITS"] == (split_k if fused and split_k > 1 else 0)
 
 

@@ -5,10 +5,17 @@ plain floating-point (bf16 / fp16) 2-D weights on CUDA whose input has the weigh
 else (quantized weights, tensor subclasses, fp32, CPU) keeps its `F.linear`. The op itself falls back to
 `F.linear` for every row count and shape that tuning did not give to our kernel, so the pass alone changes nothing
 until `ops.linear.tune_linears` has run.
+
+PDL: a linear is launched with PDL only where its weight is a graph input or attribute (a parameter or buffer) or a
+view of one (`static_weight`). The one-row kernel reads its first weight tile before its PDL wait, which is safe only
+when no kernel of the step writes that weight; a weight the forward computes (`self.w.to(x.dtype)`, `self.g * 0.5`)
+may come from the kernel just before, whose stores PDL would let the read overtake, so such a linear runs without
+PDL (it then waits for every kernel before it).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 import torch
@@ -17,6 +24,23 @@ import torch.fx
 from hf_accel.compilation.linear_packing import LINEAR_TARGETS, is_dense
 
 ROUTED_DTYPES = (torch.bfloat16, torch.float16)
+# ops that return a view of their first argument (no kernel writes the result)
+_VIEW_FUNCTIONS = (torch.as_strided, torch.narrow, torch.t, torch.transpose, torch.detach, operator.getitem)
+_VIEW_METHODS = ("as_strided", "narrow", "t", "transpose", "detach", "view", "__getitem__")
+
+
+def static_weight(node) -> bool:
+    """`node` is a graph input or attribute (Dynamo lifts parameters and buffers to inputs), or a chain of views of
+    one, such as the packed q/k/v block's `as_strided`: nothing the forward runs writes it."""
+    while isinstance(node, torch.fx.Node):
+        if node.op in ("placeholder", "get_attr"):
+            return True
+        viewing = ((node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+                   or (node.op == "call_method" and node.target in _VIEW_METHODS))
+        if not viewing or not node.args:
+            return False
+        node = node.args[0]
+    return False
 
 
 def _linear_calls(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, tuple, tuple]]:
@@ -48,7 +72,8 @@ def route_small_m_linears(gm: torch.fx.GraphModule, use_pdl: bool,
         if isinstance(wv.shape[0], torch.SymInt) or isinstance(wv.shape[1], torch.SymInt):
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.hf_accel.linear.default, (x, w, b, bool(use_pdl)))
+            pdl = bool(use_pdl) and static_weight(w)  # see the module docstring
+            new = gm.graph.call_function(torch.ops.hf_accel.linear.default, (x, w, b, pdl))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

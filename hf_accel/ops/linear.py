@@ -50,7 +50,7 @@ TUNE_FILE = "small_m_gemm.json"
 TUNE_VERSION = 4  # 4: the one-row kernel among the M = 1 candidates
 # the one-row (GEMV) kernel of `skinny_gemm` among the M = 1 candidates; HF_ACCEL_ONE_ROW_GEMM=0 leaves it out (the
 # A/B switch; read once per process, and part of the stored key, so either setting keeps its own decisions)
-ONE_ROW_GEMM = os.environ.get("HF_ACCEL_ONE_ROW_GEMM", "1") != "0"
+ONE_ROW_GEMM = os.environ.get("HF_ACCEL_ONE_ROW_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
 # (rows per program, K tile) of the one-row candidates, K not split: on the H200 (2026-12-02, every decode linear of
 # the three bench shapes at M = 1) each shape's best one-row configuration had one split, at 2-16 rows per program
 ONE_ROW_TILES = ((2, 1024), (4, 512), (4, 1024), (8, 512), (16, 256), (16, 512))
@@ -81,7 +81,9 @@ def _stored_key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int
                 use_pdl: bool) -> str:
     """The on-disk key: the GPU by name (the cache directory may move between machines), the tuning version."""
     name = torch.cuda.get_device_name(device_index(device))
-    return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}|rows1={int(ONE_ROW_GEMM)}|v{TUNE_VERSION}"
+    # only the M = 1 bucket of bf16 / fp16 weights has one-row candidates, so only its key says which set was timed
+    rows1 = f"|rows1={int(ONE_ROW_GEMM)}" if bucket == 1 and not isinstance(dtype, tuple) else ""
+    return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}{rows1}|v{TUNE_VERSION}"
 
 
 _skinny_linear = None  # hf_accel.ops.skinny_gemm.skinny_linear, imported on first use (it imports triton)
