@@ -211,8 +211,10 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
         scale = None
     bias = torch.randn(n, device=device, dtype=dtype) if has_bias else None
     x = torch.randn(bucket, k, device=device, dtype=dtype)
-    # split-K candidates reduce in the same launch, as in an engine step (whose runner holds such counters)
-    counters = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
+    # split-K candidates reduce in the same launch, as in an engine step (whose runner holds such counters): one
+    # counter per column tile of the narrowest candidate (fewer would time the reduce kernel instead)
+    narrowest = min(c.block_n for c in _candidates_for(bucket, k, int8))
+    counters = torch.zeros(-(-n // narrowest), dtype=torch.int32, device=device)
     rows = min(n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
     w_ref = weights[0][:rows].float() * (scale[:rows, None].float() if int8 else 1.0)
     ref = F.linear(x.float(), w_ref, bias[:rows].float() if bias is not None else None)
