@@ -81,8 +81,8 @@ def _stored_key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int
                 use_pdl: bool) -> str:
     """The on-disk key: the GPU by name (the cache directory may move between machines), the tuning version."""
     name = torch.cuda.get_device_name(device_index(device))
-    # only the M = 1 bucket of bf16 / fp16 weights has one-row candidates, so only its key says which set was timed
-    rows1 = f"|rows1={int(ONE_ROW_GEMM)}" if bucket == 1 and not isinstance(dtype, tuple) else ""
+    # only a key whose candidates depend on the switch says which set was timed
+    rows1 = f"|rows1={int(ONE_ROW_GEMM)}" if _one_row_bucket(bucket, isinstance(dtype, tuple)) else ""
     return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}{rows1}|v{TUNE_VERSION}"
 
 
@@ -155,9 +155,14 @@ def _candidates(bucket: int, int8: bool = False) -> list:
     # triton pipelines these loads
     out = [SkinnyConfig(block_m, bn, bk, split, 4, 2 if bk >= 1024 else 4)
            for bn, bk in tiles for split in (1, 2, 4, 8)]
-    if bucket == 1 and not int8 and ONE_ROW_GEMM:
+    if ONE_ROW_GEMM and _one_row_bucket(bucket, int8):
         out += [SkinnyConfig(1, bn, bk, 1, 4, 4, gemv=True) for bn, bk in ONE_ROW_TILES]
     return out
+
+
+def _one_row_bucket(bucket: int, int8: bool) -> bool:
+    """Whether this bucket's candidates include the one-row kernel (when ONE_ROW_GEMM is on): one row, bf16 / fp16."""
+    return bucket == 1 and not int8
 
 
 def int8_key_dtype(dtype: torch.dtype) -> tuple:
@@ -213,8 +218,8 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     x = torch.randn(bucket, k, device=device, dtype=dtype)
     # split-K candidates reduce in the same launch, as in an engine step (whose runner holds such counters): one
     # counter per column tile of the narrowest candidate (fewer would time the reduce kernel instead)
-    narrowest = min(c.block_n for c in _candidates_for(bucket, k, int8))
-    counters = torch.zeros(-(-n // narrowest), dtype=torch.int32, device=device)
+    candidates = _candidates_for(bucket, k, int8)
+    counters = torch.zeros(-(-n // min(c.block_n for c in candidates)), dtype=torch.int32, device=device)
     rows = min(n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
     w_ref = weights[0][:rows].float() * (scale[:rows, None].float() if int8 else 1.0)
     ref = F.linear(x.float(), w_ref, bias[:rows].float() if bias is not None else None)
@@ -238,7 +243,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
         baseline = cycling(lambda w: F.linear(x, w, bias))
     best_cfg, best_t = None, time_in_graph(baseline)
     base_t = best_t
-    for cfg in _candidates_for(bucket, k, int8):
+    for cfg in candidates:
         try:
             out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale, counters=counters)[:, :rows].float()
             err = (out - ref).abs().max().item()
