@@ -122,6 +122,7 @@ class ModelRunner:
         self.compile_cache = None  # CompileCacheInfo: restore() puts TORCHINDUCTOR_CACHE_DIR back through it
         self.decode_logits_indices = torch.arange(max_num_tokens, dtype=i64, device=dev)  # FULL graphs read this
         self.inputs_ready: torch.cuda.Event | None = None  # recorded once a step's inputs are on the device
+        self._host_mirrors: dict[str, torch.Tensor] = {}  # pinned host copies of the buffers above (_host_copy)
         # one counter per column tile of the widest split-K launch (a 262k vocabulary in 16-column tiles); a launch
         # with more tiles reduces in a second kernel
         self.split_k_counters = (torch.zeros(SPLIT_K_COUNTERS, dtype=i32, device=dev)
@@ -199,24 +200,26 @@ class ModelRunner:
         tp, bp = num_tokens_padded or t, num_seqs_padded or b
         nonblocking = self.device.type == "cuda"
 
-        def put(dst: torch.Tensor, src: np.ndarray) -> None:
-            host = torch.from_numpy(src)
-            dst.copy_(host.pin_memory() if nonblocking else host, non_blocking=nonblocking)
+        if nonblocking and self.inputs_ready is not None:
+            self.inputs_ready.synchronize()  # the last step's copies out of the host mirrors are done (long since)
 
-        put(self.input_ids[:t], inp.input_ids)
+        def put(name: str, dst: torch.Tensor, src: np.ndarray) -> None:
+            dst.copy_(self._host_copy(name, src) if nonblocking else torch.from_numpy(src), non_blocking=nonblocking)
+
+        put("input_ids", self.input_ids[:t], inp.input_ids)
         if inp.pending_rows:
             self._feed_pending(inp)
-        put(self.positions[:t], inp.positions)
-        put(self.slot_mapping[:t], inp.slot_mapping)
+        put("positions", self.positions[:t], inp.positions)
+        put("slot_mapping", self.slot_mapping[:t], inp.slot_mapping)
         if tp > t:
             self.input_ids[t:tp].zero_()
             self.positions[t:tp].zero_()
             self.slot_mapping[t:tp].fill_(-1)
-        put(self.query_start_loc[: b + 1], inp.query_start_loc)
-        put(self.seq_lens[:b], inp.seq_lens)
-        put(self.context_lens[:b], inp.seq_lens - np.diff(inp.query_start_loc))
+        put("query_start_loc", self.query_start_loc[: b + 1], inp.query_start_loc)
+        put("seq_lens", self.seq_lens[:b], inp.seq_lens)
+        put("context_lens", self.context_lens[:b], inp.seq_lens - np.diff(inp.query_start_loc))
         width = inp.block_tables.shape[1]
-        put(self.block_tables[:b, :width], inp.block_tables)
+        put("block_tables", self.block_tables[:b, :width], inp.block_tables)
         if width < self.max_blocks_per_seq:
             self.block_tables[:b, width:].zero_()
         if bp > b:  # graph-padded rows: one query token each past the real ones, nothing to read
@@ -227,7 +230,7 @@ class ModelRunner:
             self.block_tables[b:bp].zero_()
         n = len(inp.logits_indices)
         if n:
-            put(self.logits_indices[:n], inp.logits_indices)
+            put("logits_indices", self.logits_indices[:n], inp.logits_indices)
         return StepMetadata(
             num_tokens=t, num_seqs=b, max_query_len=inp.max_query_len, max_seq_len=inp.max_seq_len,
             block_size=self.block_size, query_start_loc=self.query_start_loc[: bp + 1], seq_lens=self.seq_lens[:bp],
@@ -235,6 +238,18 @@ class ModelRunner:
             slot_mapping=self.slot_mapping[:tp],
             query_lens_cpu=np.diff(inp.query_start_loc).tolist(), seq_lens_cpu=inp.seq_lens.tolist(),
         )
+
+    def _host_copy(self, name: str, src: np.ndarray) -> torch.Tensor:
+        """`src` in this buffer's pinned host mirror (allocated once, as large as the device buffer), ready for an
+        asynchronous copy: no pinned allocation per step. upload() writes a mirror only after the previous step's
+        copies out of it are done (`inputs_ready`)."""
+        buf = self._host_mirrors.get(name)
+        if buf is None:
+            dev_buf = getattr(self, name)
+            buf = self._host_mirrors[name] = torch.empty(dev_buf.numel(), dtype=dev_buf.dtype, pin_memory=True)
+        view = buf[: src.size].view(src.shape)
+        np.copyto(view.numpy(), src, casting="same_kind")
+        return view
 
     def _feed_pending(self, inp: StepInputs) -> None:
         """Fill the rows of tokens still on the device from the previous step's sampled tokens (device to device:
