@@ -1055,3 +1055,39 @@ def test_gpu_failed_capture_leaves_the_allocator_and_rng_usable():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, x * 3) and a.shape == (16,)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_upload_never_rewrites_a_host_mirror_a_pending_copy_reads(device):
+    """Step inputs go to the device through pinned host mirrors (one per buffer, reused): an upload must wait until
+    the copies of the one before it have left the mirrors, warm-up uploads that never reach `_stage` included, and
+    an upload cut short by an exception must still mark its copies. On CUDA the GPU is held busy (`_sleep`) so the
+    first upload's copies are still queued when the second one writes its mirrors."""
+    from hf_accel import accelerate_model
+
+    model = make_model("llama", num_layers=1, device=device)
+    accelerate_model(model, attention_backend="torch", enforce_eager=True, num_kv_blocks=32)
+    runner = model._hf_accel_state.engine.runner
+    first, second = runner.dummy_inputs([3]), runner.dummy_inputs([5])
+    first.input_ids = np.arange(100, 103, dtype=np.int64)
+    second.input_ids = np.arange(200, 205, dtype=np.int64)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the copies below
+    runner.upload(first)
+    seen = runner.input_ids[:3].clone()  # queued after the first upload's copies
+    runner.upload(second)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert seen.tolist() == [100, 101, 102]
+    assert runner.input_ids[:5].tolist() == list(range(200, 205))
+
+    broken = runner.dummy_inputs([2])
+    broken.pending_rows, broken.pending_src = [1], [0]  # a pending token with no previous step's tokens
+    before = runner.inputs_ready
+    with pytest.raises(RuntimeError, match="internal error"):
+        runner.upload(broken)
+    if device == "cuda":
+        assert runner.inputs_ready is not None and runner.inputs_ready is not before  # its copy is marked
+    else:
+        assert runner.inputs_ready is None  # CPU copies are synchronous: nothing to wait for

@@ -199,10 +199,19 @@ class ModelRunner:
         t, b = len(inp.input_ids), len(inp.seq_lens)
         tp, bp = num_tokens_padded or t, num_seqs_padded or b
         nonblocking = self.device.type == "cuda"
+        if not nonblocking:
+            return self._upload(inp, t, b, tp, bp, nonblocking)
+        if self.inputs_ready is not None:
+            self.inputs_ready.synchronize()  # the last upload's copies out of the host mirrors are done
+        try:
+            return self._upload(inp, t, b, tp, bp, nonblocking)
+        finally:
+            # every upload marks the stream after its copies, including warm-ups that never reach _stage and uploads
+            # cut short by an exception: the next upload rewrites the mirrors only once this point has passed
+            self.inputs_ready = torch.cuda.Event()
+            self.inputs_ready.record(torch.cuda.current_stream(self.device))
 
-        if nonblocking and self.inputs_ready is not None:
-            self.inputs_ready.synchronize()  # the last step's copies out of the host mirrors are done (long since)
-
+    def _upload(self, inp: StepInputs, t: int, b: int, tp: int, bp: int, nonblocking: bool) -> StepMetadata:
         def put(name: str, dst: torch.Tensor, src: np.ndarray) -> None:
             dst.copy_(self._host_copy(name, src) if nonblocking else torch.from_numpy(src), non_blocking=nonblocking)
 
@@ -272,10 +281,11 @@ class ModelRunner:
         host staging buffers (ours, and those a backend's plan() reuses) may be written again: the engine waits for
         it before preparing the next step."""
         meta = self.upload(inp, num_tokens_padded, num_seqs_padded)
-        self.backend.prepare(meta)
-        if self.device.type == "cuda":
-            self.inputs_ready = torch.cuda.Event()
-            self.inputs_ready.record()
+        try:
+            self.backend.prepare(meta)
+        finally:
+            if self.inputs_ready is not None:  # upload's event, moved past the backend's own host-to-device copies
+                self.inputs_ready.record(torch.cuda.current_stream(self.device))
         return meta
 
     # -- forward -----------------------------------------------------------------------------------------------
