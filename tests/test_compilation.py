@@ -1071,6 +1071,7 @@ def test_upload_never_rewrites_a_host_mirror_a_pending_copy_reads(device):
     first, second = runner.dummy_inputs([3]), runner.dummy_inputs([5])
     first.input_ids = np.arange(100, 103, dtype=np.int64)
     second.input_ids = np.arange(200, 205, dtype=np.int64)
+    runner.upload(runner.dummy_inputs([5]))  # every mirror allocated now: no pinned allocation below may sync
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the copies below
