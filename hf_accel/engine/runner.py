@@ -195,23 +195,33 @@ class ModelRunner:
 
     def upload(self, inp: StepInputs, num_tokens_padded: int | None = None,
                num_seqs_padded: int | None = None) -> StepMetadata:
-        """Copy the packed step into the persistent buffers; padded tokens/rows get null slots and seq_len 0."""
-        t, b = len(inp.input_ids), len(inp.seq_lens)
-        tp, bp = num_tokens_padded or t, num_seqs_padded or b
-        nonblocking = self.device.type == "cuda"
-        if not nonblocking:
-            return self._upload(inp, t, b, tp, bp, nonblocking)
-        if self.inputs_ready is not None:
-            self.inputs_ready.synchronize()  # the last upload's copies out of the host mirrors are done
+        """Copy the packed step into the persistent buffers; padded tokens/rows get null slots and seq_len 0.
+
+        Marks the stream after its copies (`inputs_ready`), as `_stage` does: the graph warm-ups upload without
+        staging, and the next upload must not rewrite a host mirror a pending copy still reads."""
+        self._await_mirrors()
         try:
-            return self._upload(inp, t, b, tp, bp, nonblocking)
+            return self._upload(inp, num_tokens_padded, num_seqs_padded)
         finally:
-            # every upload marks the stream after its copies, including warm-ups that never reach _stage and uploads
-            # cut short by an exception: the next upload rewrites the mirrors only once this point has passed
+            self._mark_inputs()
+
+    def _await_mirrors(self) -> None:
+        """Wait until the last upload's copies out of the host mirrors are done (long since, in steady decode)."""
+        if self.inputs_ready is not None:
+            self.inputs_ready.synchronize()
+
+    def _mark_inputs(self) -> None:
+        """Record `inputs_ready` after the copies just queued, on this runner's device (an upload cut short by an
+        exception too: some of its copies may be queued). CPU copies are synchronous: nothing to mark."""
+        if self.device.type == "cuda":
             self.inputs_ready = torch.cuda.Event()
             self.inputs_ready.record(torch.cuda.current_stream(self.device))
 
-    def _upload(self, inp: StepInputs, t: int, b: int, tp: int, bp: int, nonblocking: bool) -> StepMetadata:
+    def _upload(self, inp: StepInputs, num_tokens_padded: int | None, num_seqs_padded: int | None) -> StepMetadata:
+        t, b = len(inp.input_ids), len(inp.seq_lens)
+        tp, bp = num_tokens_padded or t, num_seqs_padded or b
+        nonblocking = self.device.type == "cuda"
+
         def put(name: str, dst: torch.Tensor, src: np.ndarray) -> None:
             dst.copy_(self._host_copy(name, src) if nonblocking else torch.from_numpy(src), non_blocking=nonblocking)
 
@@ -280,12 +290,12 @@ class ModelRunner:
         """Upload a step and let the backend prepare it, then mark the point in the stream after which this step's
         host staging buffers (ours, and those a backend's plan() reuses) may be written again: the engine waits for
         it before preparing the next step."""
-        meta = self.upload(inp, num_tokens_padded, num_seqs_padded)
+        self._await_mirrors()
         try:
+            meta = self._upload(inp, num_tokens_padded, num_seqs_padded)
             self.backend.prepare(meta)
         finally:
-            if self.inputs_ready is not None:  # upload's event, moved past the backend's own host-to-device copies
-                self.inputs_ready.record(torch.cuda.current_stream(self.device))
+            self._mark_inputs()  # after the backend's own host-to-device copies too
         return meta
 
     # -- forward -----------------------------------------------------------------------------------------------
