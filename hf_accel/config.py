@@ -103,6 +103,10 @@ class AccelConfig:
     # output itself; split over more programs where the batch alone would leave SMs idle. False: decode batches too
     # wide to split run the unified kernel, as before this option (the A/B)
     decode_attention_kernel: bool = True
+    # every full decode CUDA graph ends with the greedy argmax of its logits (one Triton launch, ops/greedy.py); the
+    # sampler takes those tokens when every request of the step is plain greedy, and computes its own otherwise.
+    # False: the sampler's torch.argmax after the graph, as before this option (the A/B)
+    graph_greedy_argmax: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

@@ -914,7 +914,8 @@ def test_accelerate_and_restore_pack_and_unpack_with_compile(tmp_path):
 
 # ------------------------------------------------------------------ full graphs for mixed steps (capture skipped)
 class _FakeFullGraphs:
-    """Stands in for FullCUDAGraphRunner: replay returns logits whose row r holds r (one row per padded token)."""
+    """Stands in for FullCUDAGraphRunner: replay returns logits whose row r holds r (one row per padded token) and
+    greedy tokens 100 + r, as run_full's (logits, tokens) output."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab, self.replayed = vocab, []
@@ -924,7 +925,8 @@ class _FakeFullGraphs:
 
     def replay(self, key):
         self.replayed.append(key)
-        return torch.arange(key.num_tokens, dtype=torch.float32)[None, :, None].expand(1, key.num_tokens, self.vocab)
+        logits = torch.arange(key.num_tokens, dtype=torch.float32)[None, :, None].expand(1, key.num_tokens, self.vocab)
+        return logits, 100 + torch.arange(key.num_tokens)
 
 
 def test_full_mode_mixed_steps_gather_each_sequences_last_token():
@@ -947,13 +949,15 @@ def test_full_mode_mixed_steps_gather_each_sequences_last_token():
     runner.dispatcher = CUDAGraphDispatcher("full", [8, 16], Support.ALWAYS, piecewise_available=False)
     runner.full_graphs = fake = _FakeFullGraphs(vocab=4)
 
-    mixed = runner._compiled_forward(runner.dummy_inputs([3, 1, 2]))  # 6 tokens -> the mixed graph of 8
+    mixed, greedy = runner._compiled_forward(runner.dummy_inputs([3, 1, 2]))  # 6 tokens -> the mixed graph of 8
     assert fake.replayed[-1] == BatchKey(8, False)
     assert mixed[:, 0].tolist() == [2.0, 3.0, 5.0]  # each sequence's last token, not rows 0..2
+    assert greedy.tolist() == [102, 103, 105]  # the graph's greedy tokens of the same rows
 
-    decode = runner._compiled_forward(runner.dummy_inputs([1, 1, 1]))
+    decode, greedy = runner._compiled_forward(runner.dummy_inputs([1, 1, 1]))
     assert fake.replayed[-1] == BatchKey(8, True)
     assert decode[:, 0].tolist() == [0.0, 1.0, 2.0]
+    assert greedy.tolist() == [100, 101, 102]
 
     # the capture step of a mixed graph larger than the context fits the persistent buffers (no width overflow)
     b = 2 * runner.max_model_len + 3
@@ -963,9 +967,10 @@ def test_full_mode_mixed_steps_gather_each_sequences_last_token():
 
     one_each = runner.dummy_inputs([1, 1, 1])  # one token each, but the middle one is a mid-prompt chunk
     one_each.logits_indices = np.array([0, 2], dtype=np.int64)
-    got = runner._compiled_forward(one_each)
+    got, greedy = runner._compiled_forward(one_each)
     assert fake.replayed[-1] == BatchKey(8, True)
     assert got[:, 0].tolist() == [0.0, 2.0]
+    assert greedy.tolist() == [100, 102]
 
 
 @pytest.mark.parametrize("mutate", [False, True])

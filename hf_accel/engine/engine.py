@@ -139,7 +139,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, self.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.backend, self.kv_caches, self.block_size, cfg.max_num_seqs,
                                   self.max_num_tokens, self.max_blocks_per_seq, self.shape.max_model_len,
-                                  fused_split_reductions=cfg.fused_split_reductions)
+                                  fused_split_reductions=cfg.fused_split_reductions,
+                                  graph_greedy_argmax=cfg.graph_greedy_argmax)
         self.sampler = Sampler()
         self.stats.timings["kv_cache_s"] = time.perf_counter() - t0
         self.compile_info: dict = {}
@@ -363,7 +364,7 @@ class LLMEngine:
         """Run the forward and the sampler of one scheduled step; the sampled tokens stay on the device."""
         prev_tokens = previous.tokens if previous is not None else None
         prev_rows = previous.rows if previous is not None else None
-        logits, sampled = self.runner.execute(sched, prev_tokens, prev_rows)
+        logits, sampled, greedy = self.runner.execute(sched, prev_tokens, prev_rows)
         for req, n in zip(sched.requests, sched.num_tokens):
             req.num_computed_tokens += n
             if not req.num_pending_tokens:  # else its last computed token is still on the device: _read_back commits
@@ -372,7 +373,7 @@ class LLMEngine:
         flight = _InFlight(sampled=sampled, inputs_ready=self.runner.inputs_ready)
         if not sampled:
             return flight
-        tokens, scores = self.sampler(logits, sampled)
+        tokens, scores = self.sampler(logits, sampled, greedy)
         flight.rows = {id(r): i for i, r in enumerate(sampled)}
         if self.sampler.invalid is not None:  # sampling rows: their validity comes back in the same copy
             packed = torch.cat([tokens, self.sampler.invalid.to(tokens.dtype)])

@@ -94,9 +94,11 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, max_num_seqs: int,
                  max_num_tokens: int, max_blocks_per_seq: int, max_model_len: int | None = None,
-                 fused_split_reductions: bool = True) -> None:
+                 fused_split_reductions: bool = True, graph_greedy_argmax: bool = True) -> None:
         """`fused_split_reductions`: the step's split-K small-M GEMMs sum their partials in one launch, taking
-        tickets from `split_k_counters` (`ForwardContext.split_k_counters`; `AccelConfig.fused_split_reductions`)."""
+        tickets from `split_k_counters` (`ForwardContext.split_k_counters`; `AccelConfig.fused_split_reductions`).
+        `graph_greedy_argmax`: full decode graphs end with the greedy argmax of their logits (`execute` returns
+        those tokens beside the logits; `AccelConfig.graph_greedy_argmax`)."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -122,6 +124,9 @@ class ModelRunner:
         self.compile_cache = None  # CompileCacheInfo: restore() puts TORCHINDUCTOR_CACHE_DIR back through it
         self.decode_logits_indices = torch.arange(max_num_tokens, dtype=i64, device=dev)  # FULL graphs read this
         self.inputs_ready: torch.cuda.Event | None = None  # recorded once a step's inputs are on the device
+        self.graph_greedy_argmax = graph_greedy_argmax and dev.type == "cuda"
+        self._greedy_argmax = None  # ops.greedy.GreedyArgmax: made at the first full-graph warm-up (its scratch)
+        self._pdl = False  # set by enable_compilation
         self._host_mirrors: dict[str, torch.Tensor] = {}  # pinned host copies of the buffers above (_host_copy)
         # one counter per column tile of the widest split-K launch (a 262k vocabulary in 16-column tiles); a launch
         # with more tiles reduces in a second kernel
@@ -381,6 +386,7 @@ class ModelRunner:
         from hf_accel.patches.quantization import quantizes_activations
 
         info: dict = {"compile_s": 0.0, "capture_s": 0.0, "graph_pool_bytes": 0, "compile_cache": None}
+        self._pdl = pdl
         on_cuda = self.device.type == "cuda"
         sizes = [s for s in capture_sizes if s <= self.max_num_tokens]
         mixed = [s for s in mixed_capture_sizes if s <= self.max_num_tokens] if mixed_capture_sizes else None
@@ -465,10 +471,12 @@ class ModelRunner:
             with forward_context(self.context(metas[key])):
                 if self.piecewise is not None:
                     with self.piecewise.graphs_disabled():
-                        return self.piecewise(self.input_ids[:b][None], self.positions[:b][None],
-                                              self.decode_logits_indices[:b])
-                return self.forward_2d(self.input_ids[:b][None], self.positions[:b][None],
-                                       self.decode_logits_indices[:b])
+                        logits = self.piecewise(self.input_ids[:b][None], self.positions[:b][None],
+                                                self.decode_logits_indices[:b])
+                else:
+                    logits = self.forward_2d(self.input_ids[:b][None], self.positions[:b][None],
+                                             self.decode_logits_indices[:b])
+            return logits, self._graph_argmax(logits[0])
 
         def full_warmup_class(key) -> Hashable:
             return capture_class(key.num_tokens), self.backend.capture_variant(key.num_tokens, key.uniform_decode)
@@ -591,6 +599,24 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
+    def _graph_argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The greedy tokens of a full graph's logits `[rows, V]`, launched inside the graph (ops/greedy.py); None
+        where that is off or cannot run (no triton, logits of another layout): the sampler then takes its own."""
+        if not self.graph_greedy_argmax:
+            return None
+        if self._greedy_argmax is None:
+            if torch.cuda.is_current_stream_capturing():  # its scratch is made outside any graph (the warm-ups)
+                return None
+            try:
+                from hf_accel.ops.greedy import GreedyArgmax
+            except ImportError:
+                self.graph_greedy_argmax = False
+                return None
+            self._greedy_argmax = GreedyArgmax(max(self.max_num_seqs, logits.shape[0]), logits.shape[-1], self.device)
+        if not self._greedy_argmax.fits(logits):
+            return None
+        return self._greedy_argmax(logits, self._pdl)
+
     @staticmethod
     def full_capture_query_lens(key, max_model_len: int) -> list[int]:
         """The dummy step a full graph is captured on (its rows padded to key.num_tokens).
@@ -605,31 +631,36 @@ class ModelRunner:
         step = max(1, max_model_len)
         return [min(step, b - i) for i in range(0, b, step)]
 
-    def _compiled_forward(self, inp: StepInputs) -> torch.Tensor | None:
-        """Dispatch FULL / PIECEWISE / NONE; None when nothing is compiled or captured (plain eager)."""
+    def _compiled_forward(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Dispatch FULL / PIECEWISE / NONE: (logits, their greedy tokens where a full graph computed them), or
+        None when nothing is compiled or captured (plain eager)."""
         if self.dispatcher is None:
             return None
         t, n = len(inp.input_ids), len(inp.logits_indices)
         d = self.dispatcher.dispatch(t, inp.max_query_len == 1)
         if d.mode.value == "full" and self.full_graphs is not None and d.key in self.full_graphs:
             self._stage(inp, d.num_tokens, d.num_tokens)
-            logits = self.full_graphs.replay(d.key)[0]  # one row per (padded) token
+            logits, greedy = self.full_graphs.replay(d.key)
+            logits = logits[0]  # one row per (padded) token
             # every sequence samples one token each (a decode step): row i is sequence i; otherwise the rows of the
             # sampling sequences' last tokens
             if d.uniform_decode and n == len(inp.seq_lens):
-                return logits[:n]
-            return logits[self.logits_indices[:n]]
+                return logits[:n], greedy[:n] if greedy is not None else None
+            rows = self.logits_indices[:n]
+            return logits[rows], greedy[rows] if greedy is not None else None
         if self.piecewise is None:
             return None
         tp = d.num_tokens if d.mode.value == "piecewise" else t
         meta = self._stage(inp, tp)
         with forward_context(self.context(meta)):
-            return self.piecewise(self.input_ids[:tp][None], self.positions[:tp][None], self.logits_indices[:n])[0]
+            logits = self.piecewise(self.input_ids[:tp][None], self.positions[:tp][None], self.logits_indices[:n])
+        return logits[0], None
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep, prev_tokens: torch.Tensor | None = None,
-                prev_rows: dict[int, int] | None = None) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step; returns logits `[N, V]` (the model's dtype) for the requests that sample, and those requests.
+                prev_rows: dict[int, int] | None = None) -> tuple[torch.Tensor, list[Request], torch.Tensor | None]:
+        """Run one step; returns logits `[N, V]` (the model's dtype) for the requests that sample, those requests,
+        and `logits.argmax(dim=-1)` where a full CUDA graph computed it (else None; the sampler's `greedy`).
 
         `prev_tokens` are the previous step's sampled tokens, still on the device, and `prev_rows` maps
         `id(request)` to its row there: the source of every token this step consumes that the host has not read.
@@ -641,10 +672,11 @@ class ModelRunner:
             except (KeyError, TypeError):
                 raise RuntimeError("internal error: a pending token was not sampled by the previous step") from None
             inp.prev_tokens = prev_tokens
-        logits = self._compiled_forward(inp)
-        if logits is None:
-            meta = self._stage(inp)
-            n, t = len(inp.logits_indices), len(inp.input_ids)
-            with forward_context(self.context(meta)):
-                logits = self.model_forward(self.input_ids[:t], self.positions[:t], self.logits_indices[:n])
-        return logits, inp.sampled
+        out = self._compiled_forward(inp)
+        if out is not None:
+            return out[0], inp.sampled, out[1]
+        meta = self._stage(inp)
+        n, t = len(inp.logits_indices), len(inp.input_ids)
+        with forward_context(self.context(meta)):
+            logits = self.model_forward(self.input_ids[:t], self.positions[:t], self.logits_indices[:n])
+        return logits, inp.sampled, None

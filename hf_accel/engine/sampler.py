@@ -201,8 +201,12 @@ class Sampler:
             self.hook_errors.append((req, exc))
             return logits[0]
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request],
+                 greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits `[N, V]` for the requests that sample this step -> (token ids `[N]`, scores `[N, V]` float32).
+
+        `greedy`: `logits.argmax(dim=-1)` computed already (the end of a full decode graph, ops/greedy.py), taken
+        as the tokens when every row is plain greedy.
 
         Scores are the processed logits that stock `generate()` reports as `scores`. Plain greedy steps take the
         argmax of the logits as they come (exact in any dtype) and skip the float32 copy unless a request keeps
@@ -222,7 +226,7 @@ class Sampler:
         if plain:  # argmax is exact in any dtype: the float32 copy only where scores or logits are kept
             if any(r.want_scores or r.want_logits for r in reqs):
                 logits = logits.float()
-            return logits.argmax(dim=-1), logits
+            return (greedy if greedy is not None else logits.argmax(dim=-1)), logits
         logits = logits.float()
         hooked = [i for i, r in enumerate(reqs) if r.logits_hook is not None]
         fast = [i for i, r in enumerate(reqs) if r.logits_hook is None]

@@ -83,7 +83,10 @@ def _stored_key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int
     name = torch.cuda.get_device_name(device_index(device))
     # only a key whose candidates depend on the switch says which set was timed
     rows1 = f"|rows1={int(ONE_ROW_GEMM)}" if _one_row_bucket(bucket, isinstance(dtype, tuple)) else ""
-    return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}{rows1}|v{TUNE_VERSION}"
+    from hf_accel.ops.pdl import gemm_pdl_form
+
+    form = f"|pdlform={gemm_pdl_form()}" if use_pdl and gemm_pdl_form() != "late" else ""  # A/B forms keep their own
+    return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}{rows1}{form}|v{TUNE_VERSION}"
 
 
 _skinny_linear = None  # hf_accel.ops.skinny_gemm.skinny_linear, imported on first use (it imports triton)

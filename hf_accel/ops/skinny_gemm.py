@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_accel.ops.pdl import GEMM_EARLY_TRIGGER as EARLY_TRIGGER
+from hf_accel.ops.pdl import GEMM_W_BEFORE_WAIT as W_BEFORE_WAIT
 from hf_accel.ops.pdl import launch_kwargs
 from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
@@ -60,9 +62,11 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    FUSED_SPLITS: tl.constexpr,
+    FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr, W_BEFORE_WAIT: tl.constexpr,
 ):
-    """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count."""
+    """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count.
+    EARLY_TRIGGER: let the successor launch right after the wait instead of after the K loop. W_BEFORE_WAIT: the
+    first K tile of W is loaded before the PDL wait (the K loop then starts at the second)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,10 +77,22 @@ def _skinny_gemm_kernel(
     k0 = pid_k * K_PER_SPLIT
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = 0
+    if W_BEFORE_WAIT:  # no kernel of the step writes a weight: its first tile may load while the predecessor ends
+        k_ok0 = (k0 + offs_k) < tl.minimum(K, k0 + K_PER_SPLIT)
+        w0 = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok0[None, :], other=0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K_PER_SPLIT, BLOCK_K):
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+    if W_BEFORE_WAIT:
+        x0 = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
+        acc = tl.dot(x0, tl.trans(w0.to(x0.dtype)), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_start = BLOCK_K
+    for k in range(k_start, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
@@ -87,7 +103,7 @@ def _skinny_gemm_kernel(
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # int8 weights widen in registers; a no-op for bf16 / fp16
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -100,7 +116,7 @@ def _skinny_gemm_kernel(
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr, N, K, K_PER_SPLIT, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr, FUSED_SPLITS: tl.constexpr,
+    HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr, FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
     """One row (M = 1) without tensor cores: each program multiplies a `[BLOCK_N, K / SPLIT_K]` slice of W by x
     element-wise in float32 and sums each row once, after the K loop. `tl.dot` pads M to 16, so at M = 1 the GEMM
@@ -122,6 +138,8 @@ def _gemv_kernel(
     w = _gemv_tile(w_ptrs, n_ok[:, None], (k0 + offs_k)[None, :], k_end, EVEN_K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(BLOCK_K, K_PER_SPLIT, BLOCK_K):  # W's tile k is loaded before tile k - 1 is used
         w_next = _gemv_tile(w_ptrs + k, n_ok[:, None], (k0 + k + offs_k)[None, :], k_end, EVEN_K)
@@ -131,7 +149,7 @@ def _gemv_kernel(
     last = (K_PER_SPLIT - 1) // BLOCK_K * BLOCK_K
     x = _gemv_tile(x_ptrs + last, True, k0 + last + offs_k, k_end, EVEN_K)
     acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])  # the output row, shaped as the GEMM's epilogue sees a tile
     _finish(row, y_ptr + offs_n[None, :], part_ptr + offs_n[None, :], N, pid_k, counters_ptr + pid_n, b_ptr, s_ptr,
@@ -263,8 +281,8 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     common = dict(
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0, IS_SPLIT=split > 1,
         HAS_BIAS=has_bias and in_gemm, HAS_SCALE=has_scale and in_gemm, USE_PDL=use_pdl,
-        FUSED_SPLITS=split if fused else 0, num_warps=config.num_warps, num_stages=config.num_stages,
-        **launch_kwargs(use_pdl),
+        FUSED_SPLITS=split if fused else 0, EARLY_TRIGGER=EARLY_TRIGGER, num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch_kwargs(use_pdl),
     )
     pointers = (x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
                 counters if fused else part)
@@ -274,7 +292,7 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     else:
         gemm = launcher(_skinny_gemm_kernel, grid, warmup, writes=(y,))
         built = [gemm(*pointers, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym, BLOCK_M=config.block_m,
-                      **common)]
+                      W_BEFORE_WAIT=W_BEFORE_WAIT, **common)]
     if split > 1 and not fused:
         block = min(1024, triton.next_power_of_2(n))
         grid = (triton.cdiv(n, block), m)
