@@ -69,6 +69,7 @@ def test_refuses_what_it_was_not_made_for():
     with pytest.raises(ValueError, match="GreedyArgmax"):
         op(torch.zeros(100, 2, device=DEVICE).t())  # columns not contiguous
     assert not op.fits(torch.zeros(2, 100, dtype=torch.int64, device=DEVICE))
+    assert not op.fits(torch.zeros(2, 100, dtype=torch.float64, device=DEVICE))  # float32 would round its values
 
 
 # ----------------------------------------------------------------------------- the sampler's use of the graph's tokens
@@ -166,3 +167,39 @@ def test_gpu_engine_greedy_output_with_and_without_the_graphs_argmax(monkeypatch
         assert any(given) == on  # decode steps replayed full graphs: with it on, they handed their tokens over
         restore(model)
     assert torch.equal(outs[True], outs[False])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_gpu_after_a_pdl_small_m_gemm_lm_head(rows):
+    """As in a decode graph: the logits come from the small-M GEMM launched with PDL (the lm_head), and the argmax,
+    launched with PDL too, must wait for all of them: many replays on new inputs, each equal to torch.argmax."""
+    from hf_accel.ops import pdl
+    from hf_accel.ops.skinny_gemm import SkinnyConfig, skinny_linear
+
+    if not pdl.supported(DEVICE):
+        pytest.skip("PDL needs sm90+ and a triton that exposes it")
+    vocab, hidden = 151936, 1024
+    cfg = SkinnyConfig(1, 4, 512, 1, gemv=True) if rows == 1 else SkinnyConfig(rows, 64, 128, 2)
+    x = torch.randn(rows, hidden, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(vocab, hidden, device=DEVICE, dtype=torch.bfloat16) / 16
+    logits = torch.empty(rows, vocab, device=DEVICE, dtype=torch.bfloat16)
+    counters = torch.zeros(vocab, dtype=torch.int32, device=DEVICE)
+    op = G.GreedyArgmax(64, vocab, DEVICE)
+
+    def body():
+        skinny_linear(x, w, None, cfg, True, out=logits, counters=counters)
+        return op(logits, True)
+
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = body()
+    for seed in range(20):
+        x.copy_(torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed)).to(DEVICE, torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, logits.argmax(dim=-1)), seed
+    assert int(op.counters.abs().sum()) == 0

@@ -380,6 +380,8 @@ class LLMEngine:
             tokens = packed[: len(sampled)]
         else:
             packed = tokens
+        # tokens may be a full graph's output (its greedy argmax), which the next replay overwrites: they are read
+        # only by the copy to the host queued below and by the next step's input copy, queued before its replay
         flight.tokens, flight.packed = tokens, packed
         if self.allow_async and tokens.device.type == "cuda":
             flight.host_tokens = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)

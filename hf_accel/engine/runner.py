@@ -604,18 +604,24 @@ class ModelRunner:
         where that is off or cannot run (no triton, logits of another layout): the sampler then takes its own."""
         if not self.graph_greedy_argmax:
             return None
-        if self._greedy_argmax is None:
-            if torch.cuda.is_current_stream_capturing():  # its scratch is made outside any graph (the warm-ups)
+        if torch.cuda.is_current_stream_capturing():  # the first launch (and the scratch) came in a warm-up
+            if self._greedy_argmax is None or not self._greedy_argmax.fits(logits):
                 return None
-            try:
+            return self._greedy_argmax(logits, self._pdl)
+        try:  # an optimisation: a kernel that cannot build or run here leaves the argmax to the sampler
+            if self._greedy_argmax is None:
                 from hf_accel.ops.greedy import GreedyArgmax
-            except ImportError:
-                self.graph_greedy_argmax = False
+
+                self._greedy_argmax = GreedyArgmax(max(self.max_num_seqs, logits.shape[0]), logits.shape[-1],
+                                                   self.device)
+            if not self._greedy_argmax.fits(logits):
                 return None
-            self._greedy_argmax = GreedyArgmax(max(self.max_num_seqs, logits.shape[0]), logits.shape[-1], self.device)
-        if not self._greedy_argmax.fits(logits):
+            return self._greedy_argmax(logits, self._pdl)
+        except Exception as exc:
+            logger.warning("hf_accel: the decode graphs' greedy argmax is off (%s: %s); the sampler takes it",
+                           type(exc).__name__, exc)
+            self.graph_greedy_argmax, self._greedy_argmax = False, None
             return None
-        return self._greedy_argmax(logits, self._pdl)
 
     @staticmethod
     def full_capture_query_lens(key, max_model_len: int) -> list[int]:

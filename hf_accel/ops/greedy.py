@@ -28,6 +28,8 @@ from hf_accel.ops.pdl import launch_kwargs
 from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 CHUNK = 4096  # logits per program: 32 per thread at 4 warps
+# the dtypes whose every value float32 holds exactly (a float64 row would compare rounded values)
+_EXACT_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -91,7 +93,7 @@ class GreedyArgmax:
 
     def fits(self, logits: torch.Tensor) -> bool:
         return (logits.dim() == 2 and logits.shape[0] <= self.max_rows and logits.shape[1] == self.vocab
-                and logits.stride(1) == 1 and logits.is_floating_point())
+                and logits.stride(1) == 1 and logits.dtype in _EXACT_IN_FLOAT32)
 
     def __call__(self, logits: torch.Tensor, use_pdl: bool = False) -> torch.Tensor:
         """int64 `[rows]`: the index of each row's largest logit, exactly as `logits.argmax(dim=-1)`."""

@@ -85,7 +85,7 @@ def _stored_key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int
     rows1 = f"|rows1={int(ONE_ROW_GEMM)}" if _one_row_bucket(bucket, isinstance(dtype, tuple)) else ""
     from hf_accel.ops.pdl import gemm_pdl_form
 
-    form = f"|pdlform={gemm_pdl_form()}" if use_pdl and gemm_pdl_form() != "late" else ""  # A/B forms keep their own
+    form = f"|pdlform={gemm_pdl_form()}" if gemm_pdl_form() != "late" else ""  # A/B forms keep their own decisions
     return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}{rows1}{form}|v{TUNE_VERSION}"
 
 
