@@ -98,6 +98,16 @@ def test_sampler_takes_the_graphs_tokens_only_for_plain_greedy_steps():
 
 
 # --------------------------------------------------------------------------------------------------------------- GPU
+def _captured(body):
+    """`body` run once (its kernels built), then captured in a CUDA graph: (graph, what the capture returned)."""
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = body()
+    return graph, out
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [128256, 151936, 262208])
@@ -120,11 +130,7 @@ def test_gpu_real_vocabularies_in_a_graph_after_the_logits_kernel(vocab, rows):
         logits.add_(extra)  # where the hard cases go in
         return op(logits, use_pdl)
 
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = body()
+    graph, out = _captured(body)
     for seed in range(4):
         x.copy_(torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed)).to(DEVICE, torch.bfloat16))
         hard = _hard_rows(rows, vocab, torch.bfloat16, seed)
@@ -192,11 +198,7 @@ def test_gpu_after_a_pdl_small_m_gemm_lm_head(rows):
         skinny_linear(x, w, None, cfg, True, out=logits, counters=counters)
         return op(logits, True)
 
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = body()
+    graph, out = _captured(body)
     for seed in range(20):
         x.copy_(torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed)).to(DEVICE, torch.bfloat16))
         graph.replay()
