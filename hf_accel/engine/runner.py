@@ -604,10 +604,9 @@ class ModelRunner:
         where that is off or cannot run (no triton, logits of another layout): the sampler then takes its own."""
         if not self.graph_greedy_argmax:
             return None
-        if torch.cuda.is_current_stream_capturing():  # the first launch (and the scratch) came in a warm-up
-            if self._greedy_argmax is None or not self._greedy_argmax.fits(logits):
-                return None
-            return self._greedy_argmax(logits, self._pdl)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and self._greedy_argmax is None:  # its scratch (and first launch) belong in a warm-up
+            return None
         try:  # an optimisation: a kernel that cannot build or run here leaves the argmax to the sampler
             if self._greedy_argmax is None:
                 from hf_accel.ops.greedy import GreedyArgmax
@@ -618,6 +617,8 @@ class ModelRunner:
                 return None
             return self._greedy_argmax(logits, self._pdl)
         except Exception as exc:
+            if capturing:  # the capture is broken either way: its own fallback handles it
+                raise
             logger.warning("hf_accel: the decode graphs' greedy argmax is off (%s: %s); the sampler takes it",
                            type(exc).__name__, exc)
             self.graph_greedy_argmax, self._greedy_argmax = False, None
@@ -650,9 +651,7 @@ class ModelRunner:
             logits = logits[0]  # one row per (padded) token
             # every sequence samples one token each (a decode step): row i is sequence i; otherwise the rows of the
             # sampling sequences' last tokens
-            if d.uniform_decode and n == len(inp.seq_lens):
-                return logits[:n], greedy[:n] if greedy is not None else None
-            rows = self.logits_indices[:n]
+            rows = slice(0, n) if d.uniform_decode and n == len(inp.seq_lens) else self.logits_indices[:n]
             return logits[rows], greedy[rows] if greedy is not None else None
         if self.piecewise is None:
             return None

@@ -79,15 +79,15 @@ def _skinny_gemm_kernel(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = 0
+    k_end = tl.minimum(K, k0 + K_PER_SPLIT)
     if W_BEFORE_WAIT:  # no kernel of the step writes a weight: its first tile may load while the predecessor ends
-        k_ok0 = (k0 + offs_k) < tl.minimum(K, k0 + K_PER_SPLIT)
-        w0 = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok0[None, :], other=0)
+        w0 = _gemv_tile(w_ptrs, n_ok[:, None], (k0 + offs_k)[None, :], k_end, EVEN_K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
     if W_BEFORE_WAIT:
-        x0 = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok0[None, :], other=0.0)
+        x0 = _gemv_tile(x_ptrs, m_ok[:, None], (k0 + offs_k)[None, :], k_end, EVEN_K)
         acc = tl.dot(x0, tl.trans(w0.to(x0.dtype)), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
