@@ -22,8 +22,9 @@ have their loads in flight at once. On the H200 it made every layer's four linea
 for the M = 1 bucket (`ops/linear.py`, `HF_ACCEL_ONE_ROW_GEMM=0` leaves it out).
 
 Launched with PDL where supported (see `hf_accel.ops.pdl`): it waits for its predecessor before reading `x` and
-before any store, and lets its successor launch once its own loop is done. The one-row kernel loads its first tile
-of W before the wait: no kernel of a step writes a weight.
+before any store, and lets its successor launch right after that wait (`HF_ACCEL_GEMM_TRIGGER=late`: after its
+K loop), so the successor's launch and its pre-wait weight loads overlap this kernel's whole loop. The one-row kernel
+loads its first tile of W before the wait: no kernel of a step writes a weight.
 
 This module imports triton at the top; callers import it lazily.
 """
@@ -37,7 +38,6 @@ import triton
 import triton.language as tl
 
 from hf_accel.ops.pdl import GEMM_EARLY_TRIGGER as EARLY_TRIGGER
-from hf_accel.ops.pdl import GEMM_W_BEFORE_WAIT as W_BEFORE_WAIT
 from hf_accel.ops.pdl import launch_kwargs
 from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
@@ -62,11 +62,10 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr, W_BEFORE_WAIT: tl.constexpr,
+    FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
     """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count.
-    EARLY_TRIGGER: let the successor launch right after the wait instead of after the K loop. W_BEFORE_WAIT: the
-    first K tile of W is loaded before the PDL wait (the K loop then starts at the second)."""
+    EARLY_TRIGGER: let the successor launch right after the wait instead of after the K loop."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,21 +77,11 @@ def _skinny_gemm_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = 0
-    k_end = tl.minimum(K, k0 + K_PER_SPLIT)
-    if W_BEFORE_WAIT:  # no kernel of the step writes a weight: its first tile may load while the predecessor ends
-        w0 = _gemv_tile(w_ptrs, n_ok[:, None], (k0 + offs_k)[None, :], k_end, EVEN_K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
-    if W_BEFORE_WAIT:
-        x0 = _gemv_tile(x_ptrs, m_ok[:, None], (k0 + offs_k)[None, :], k_end, EVEN_K)
-        acc = tl.dot(x0, tl.trans(w0.to(x0.dtype)), acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        k_start = BLOCK_K
-    for k in range(k_start, K_PER_SPLIT, BLOCK_K):
+    for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
@@ -292,7 +281,7 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     else:
         gemm = launcher(_skinny_gemm_kernel, grid, warmup, writes=(y,))
         built = [gemm(*pointers, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym, BLOCK_M=config.block_m,
-                      W_BEFORE_WAIT=W_BEFORE_WAIT, **common)]
+                      **common)]
     if split > 1 and not fused:
         block = min(1024, triton.next_power_of_2(n))
         grid = (triton.cdiv(n, block), m)
