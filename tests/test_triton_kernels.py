@@ -291,8 +291,9 @@ def test_split_kv_decode_fused_merge_equals_merge_kernel(window, pad_seqs):
     """The merge inside the split kernel (the last split of each sequence and KV head merges) gives the merge
     kernel's result, also when most splits get no keys (context 1 and 12 against 8 splits of 16-key tiles) and on
     graph-padded rows (zeros); its ticket counters are zeros again after every launch, so launch after launch agree.
-    In the interpreter the bits are the same; compiled, the two kernels' warp layouts may add the splits' float32
-    partials in another order, so there the results agree to float32 rounding (and launch after launch, bitwise)."""
+    The fused merge takes a GQA group's heads in one tile and the merge kernel one head per program, so they may
+    add the splits' float32 partials in another order: they agree to float32 rounding (launch after launch, and on
+    padded rows, bitwise)."""
     step = make_step([1] * 4, [0, 11, 70, 129], pad_seqs=pad_seqs, pad_tokens=pad_seqs, seed=21)
     fused = make_backend(step, num_kv_splits=8, decode_block_n=16)
     plain = make_backend(step, num_kv_splits=8, decode_block_n=16, fused_split_reductions=False)
@@ -314,13 +315,36 @@ def test_split_kv_decode_fused_merge_equals_merge_kernel(window, pad_seqs):
     check(step, fused, window=window)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,chunk", [(8, 2, 16, 2), (6, 2, 16, 4), (4, 4, 32, 1)])
+def test_split_kv_decode_fused_merge_group_and_chunks(monkeypatch, num_heads, num_kv_heads, head_dim, chunk):
+    """The fused merge takes a GQA group's heads together (groups of 4, 3 and 1 here) and the splits' partials in
+    chunks: with chunks smaller than the splits that got keys (up to 8 of 8 here), its loop over chunks runs several
+    times. Both against the merge kernel and the reference."""
+    from hf_accel.attention.kernels import split_kv_decode as skv
+
+    monkeypatch.setattr(skv, "merge_chunk", lambda num_splits, group, head_dim_pad: chunk)
+    step = make_step([1] * 4, [0, 40, 70, 129], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     pad_seqs=1, pad_tokens=1, seed=23)
+    fused = make_backend(step, num_kv_splits=8, decode_block_n=16)
+    plain = make_backend(step, num_kv_splits=8, decode_block_n=16, fused_split_reductions=False)
+    scale = step.query.shape[-1] ** -0.5
+    _same_merge(run_triton(step, fused, scale, 0, 0.0), run_triton(step, plain, scale, 0, 0.0))
+    assert not fused._merge_counters.any()
+    check(step, fused)
+
+
+def test_merge_chunk_bounds():
+    """At most 4,096 float32 values per chunk, a power of two, never more than the padded split count."""
+    from hf_accel.attention.kernels.split_kv_decode import merge_chunk
+
+    assert merge_chunk(64, 4, 64) == 16 and merge_chunk(64, 2, 128) == 16 and merge_chunk(64, 4, 128) == 8
+    assert merge_chunk(6, 4, 64) == 8 and merge_chunk(64, 16, 256) == 1 and merge_chunk(64, 3, 64) == 16
+
+
 def _same_merge(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Bitwise in the interpreter; compiled, to float32 rounding of a sum over splits taken in another order."""
-    if ON_GPU:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        assert torch.equal(got[want == 0], want[want == 0]), "padded rows must stay exact zeros"
-    else:
-        assert torch.equal(got, want)
+    """To float32 rounding of a sum over splits taken in another order; padded rows exact zeros."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[want == 0], want[want == 0]), "padded rows must stay exact zeros"
 
 
 def test_split_kv_decode_fused_kv_write_skips_null_slots():
