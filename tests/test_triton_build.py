@@ -174,7 +174,7 @@ SCALE = tl.constexpr(3)
 
 
 @triton.jit
-def kernel(x_ptr):  # defined before the helper it calls, as split_kv_decode's kernel is before _merge_partials
+def kernel(x_ptr):  # defined before the helper it calls, as split_kv_decode's kernel is before _merge_group
     tl.store(x_ptr, helper(tl.load(x_ptr)))
 
 

@@ -315,11 +315,14 @@ def test_split_kv_decode_fused_merge_equals_merge_kernel(window, pad_seqs):
     check(step, fused, window=window)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,chunk", [(8, 2, 16, 2), (6, 2, 16, 4), (4, 4, 32, 1)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,chunk",
+                         [(8, 2, 16, 2), (6, 2, 16, 4), (6, 2, 24, 2), (4, 4, 32, 1)])
 def test_split_kv_decode_fused_merge_group_and_chunks(monkeypatch, num_heads, num_kv_heads, head_dim, chunk):
     """The fused merge takes a GQA group's heads together (groups of 4, 3 and 1 here) and the splits' partials in
     chunks: with chunks smaller than the splits that got keys (up to 8 of 8 here), its loop over chunks runs several
-    times. Both against the merge kernel and the reference."""
+    times. Against the merge kernel and the reference, with scratch full of stale values (NaN partials, finite lse:
+    a split without keys must never be read), a head dim that is not a power of two, and an output view with a gap
+    after each row's heads (a store outside the group's heads or the head dim lands there)."""
     from hf_accel.attention.kernels import split_kv_decode as skv
 
     monkeypatch.setattr(skv, "merge_chunk", lambda num_splits, group, head_dim_pad: chunk)
@@ -331,6 +334,20 @@ def test_split_kv_decode_fused_merge_group_and_chunks(monkeypatch, num_heads, nu
     _same_merge(run_triton(step, fused, scale, 0, 0.0), run_triton(step, plain, scale, 0, 0.0))
     assert not fused._merge_counters.any()
     check(step, fused)
+
+    fused._part_out.fill_(float("nan"))
+    fused._part_lse.fill_(3.0)
+    tokens, heads, dim = step.query.shape
+    padded = torch.full((tokens, heads + 2, dim), 7.0, dtype=step.query.dtype, device=step.query.device)
+    out = padded[:, :heads]
+    fused.prepare(step.meta)
+    fused.write_kv_and_forward(step.query, step.key, step.value, step.k_cache.clone(), step.v_cache.clone(),
+                               step.meta, out, scale, 0, 0.0)
+    assert (padded[:, heads:] == 7.0).all(), "a store outside the group's heads or the head dim"
+    n = step.meta.num_tokens
+    tol = TOL[step.query.dtype]
+    torch.testing.assert_close(out[:n].float(), reference(step, scale, 0, 0.0).float(), atol=tol, rtol=tol)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows must be zeros"
 
 
 def test_merge_chunk_bounds():

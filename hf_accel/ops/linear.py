@@ -84,7 +84,10 @@ def _stored_key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int
     name = torch.cuda.get_device_name(device_index(device))
     # only a key whose candidates depend on the switch says which set was timed
     rows1 = f"|rows1={int(ONE_ROW_GEMM)}" if _one_row_bucket(bucket, isinstance(dtype, tuple)) else ""
-    form = f"|pdlform={gemm_pdl_form()}"  # each trigger form keeps decisions of its own
+    # under PDL each trigger form keeps decisions of its own; "late" (the form before it had a name) and keys without
+    # PDL, where the trigger compiles to nothing, keep the plain key
+    form = gemm_pdl_form()
+    form = f"|pdlform={form}" if use_pdl and form != "late" else ""
     return f"{name}|{dtype}|{n}|{k}|{has_bias}|{bucket}|pdl={int(use_pdl)}{rows1}{form}|v{TUNE_VERSION}"
 
 

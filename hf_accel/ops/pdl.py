@@ -21,6 +21,7 @@ each user as a plain flag: the attention backend's `use_pdl`, the `use_pdl` argu
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -30,7 +31,11 @@ import torch
 # block scheduling and the weight loads it makes before its wait overlap the GEMM's whole K loop. `late`: only after
 # the K loop (the form before session 20), kept as the A/B switch. On the H200 the early form gave W1 llama-3.2-1b
 # 957 against 926 tok/s and W2 qwen3-0.6b 35,687 against 32,998 (one lease, medians of 3)
-GEMM_EARLY_TRIGGER = os.environ.get("HF_ACCEL_GEMM_TRIGGER", "early").strip().lower() != "late"
+_GEMM_TRIGGER = os.environ.get("HF_ACCEL_GEMM_TRIGGER", "early").strip().lower()
+if _GEMM_TRIGGER not in ("early", "late"):
+    logging.getLogger(__name__).warning("hf_accel: HF_ACCEL_GEMM_TRIGGER=%r is neither 'early' nor 'late'; using "
+                                        "'early'", _GEMM_TRIGGER)
+GEMM_EARLY_TRIGGER = _GEMM_TRIGGER != "late"
 
 
 def gemm_pdl_form() -> str:

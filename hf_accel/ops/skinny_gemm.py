@@ -112,8 +112,8 @@ def _gemv_kernel(
     kernel needs tiles wide in N and long in K to keep the tensor cores fed, which leaves few programs with long
     dependent K loops; here a program can hold a few rows, and many programs each have their loads in flight at
     once. W's next K tile is loaded before the current one is used, and its first before the PDL wait: no kernel of
-    the step writes a weight, so that load may overlap the previous kernel's tail (x and every store come after
-    the wait)."""
+    the step writes a weight, so that load may overlap the previous kernel (whose successor launches right after
+    that kernel's own wait; x and every store come after the wait)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

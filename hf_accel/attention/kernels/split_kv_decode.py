@@ -12,9 +12,10 @@ same launch: each split that holds keys writes its partial, then takes a ticket 
 counter; the program that draws the last ticket merges the partials of that group of query heads and sets the counter
 back to zero for the next launch. At batch 1 this saves the merge kernel's launch on every layer; splits that get no
 keys (most of them at short contexts, where the split count is set for the longest) exit at once. The merge combines
-the same partials by the same formula as the merge kernel; compiled, the two launches' warp layouts may add the
-splits' float32 terms in another order, so the results agree to float32 rounding, not always to the bit (the GEMM's
-fused split-K reduction, one sum per element in split order, does keep the bits).
+the same partials by the same formula as the merge kernel, but takes a GQA group's heads in one tile and the splits
+in chunks (`_merge_group`) where the merge kernel takes one head per program, so the two add the splits' float32
+terms in another order: the results agree to float32 rounding, not always to the bit (the GEMM's fused split-K
+reduction, one sum per element in split order, does keep the bits).
 
 With `num_splits == 1` there is nothing to merge: one program per (sequence, KV head) walks all of that pair's keys
 and writes its output row directly. Wide decode batches run this way: against the unified kernel, each program
@@ -241,8 +242,10 @@ def _merge_splits_kernel(
 
 
 def merge_chunk(num_splits: int, group: int, head_dim_pad: int) -> int:
-    """Splits per load of the fused merge (`_merge_group`): a [splits, group, head dim] float32 tile of at most 4,096
-    values (32 registers a thread at 4 warps), a power of two, at most the padded split count."""
+    """Splits per load of the fused merge (`_merge_group`): a power of two, at most the padded split count, such that
+    the [splits, group, head dim] float32 tile (padded sizes) holds at most 4,096 values, about 32 registers a thread
+    at 4 warps, plus as many for its pointers. One split where a single group row is larger than that (MQA models'
+    64-128 heads per KV head): that tile is then the group's, as the per-head merge before it was."""
     cap = max(1, 4096 // (triton.next_power_of_2(group) * head_dim_pad))
     return min(triton.next_power_of_2(num_splits), 1 << (cap.bit_length() - 1))
 
