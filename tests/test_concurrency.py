@@ -10,6 +10,7 @@ from __future__ import annotations
 import _thread
 import asyncio
 import copy
+import signal
 import threading
 import time
 import warnings
@@ -258,7 +259,16 @@ def test_a_failing_callback_ends_its_call_alone(pair, where, exc_type):
                                          "stopping_criteria": None}))
 
 
-def test_ctrl_c_while_waiting_aborts_that_call_alone(pair):
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler for the test: a process started with SIGINT ignored (a job a non-interactive
+    shell put in the background) keeps it ignored, and `_thread.interrupt_main` then does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_while_waiting_aborts_that_call_alone(pair, python_sigint):
     """A real KeyboardInterrupt (interrupt_main) reaches the main thread while it waits for its call: the call is
     aborted and its blocks freed before the exception comes out; a call of another thread finishes correctly."""
     stock, accel = pair
