@@ -130,13 +130,14 @@ def reference(step: Step, scale: float, window: int, softcap: float) -> torch.Te
 
 def run_triton(step: Step, be: TritonAttentionBackend, scale: float, window: int, softcap: float,
                meta: StepMetadata | None = None, *, separate: bool = False,
-               caches: list | None = None) -> torch.Tensor:
+               caches: list | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The layer as the attention op runs it (`write_kv_and_forward`), or `separate`ly: `write_kv`, then `forward`.
-    Every row is handed over, padded ones included: their slot -1 must be skipped. `caches` receives (k, v)."""
+    Every row is handed over, padded ones included: their slot -1 must be skipped. `caches` receives (k, v).
+    `out`: the output to write (default: a fresh one full of NaN)."""
     meta = meta or step.meta
     kc, vc = step.k_cache.clone(), step.v_cache.clone()
     be.prepare(meta)
-    out = torch.full_like(step.query, float("nan"))
+    out = torch.full_like(step.query, float("nan")) if out is None else out
     if separate:
         be.write_kv(step.key, step.value, kc, vc, meta)
         be.forward(step.query, kc, vc, meta, out, scale, window, softcap)
@@ -150,7 +151,11 @@ def run_triton(step: Step, be: TritonAttentionBackend, scale: float, window: int
 def check(step: Step, be: TritonAttentionBackend, *, scale: float | None = None, window: int = 0,
           softcap: float = 0.0, meta: StepMetadata | None = None) -> None:
     scale = scale if scale is not None else step.query.shape[-1] ** -0.5
-    out = run_triton(step, be, scale, window, softcap, meta)
+    matches_reference(step, run_triton(step, be, scale, window, softcap, meta), scale, window, softcap)
+
+
+def matches_reference(step: Step, out: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> None:
+    """`out` (the layer's output for `step`) against the reference; graph-padded rows exact zeros."""
     ref = reference(step, scale, window, softcap)
     n = step.meta.num_tokens
     tol = TOL[step.query.dtype]
@@ -339,15 +344,9 @@ def test_split_kv_decode_fused_merge_group_and_chunks(monkeypatch, num_heads, nu
     fused._part_lse.fill_(3.0)
     tokens, heads, dim = step.query.shape
     padded = torch.full((tokens, heads + 2, dim), 7.0, dtype=step.query.dtype, device=step.query.device)
-    out = padded[:, :heads]
-    fused.prepare(step.meta)
-    fused.write_kv_and_forward(step.query, step.key, step.value, step.k_cache.clone(), step.v_cache.clone(),
-                               step.meta, out, scale, 0, 0.0)
+    out = run_triton(step, fused, scale, 0, 0.0, out=padded[:, :heads])
     assert (padded[:, heads:] == 7.0).all(), "a store outside the group's heads or the head dim"
-    n = step.meta.num_tokens
-    tol = TOL[step.query.dtype]
-    torch.testing.assert_close(out[:n].float(), reference(step, scale, 0, 0.0).float(), atol=tol, rtol=tol)
-    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows must be zeros"
+    matches_reference(step, out, scale)
 
 
 def test_merge_chunk_bounds():
