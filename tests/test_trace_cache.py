@@ -310,6 +310,35 @@ def test_unregistered_module_attribute_and_patched_torch_builtin_are_seen():
         torch.rsqrt = rsqrt
 
 
+def test_function_wrapped_as_a_module_is_described_not_refused():
+    """transformers >= 5.2x with `kernels` (a dependency of transformers now) keeps helpers such as
+    `apply_rotary_pos_emb` as parameterless modules in an attention module's `__dict__`. Such a module is described by
+    its class's code (a change to it changes the fingerprint), not refused; given a setting of its own, it is."""
+
+    def wrapper_class(scale: float) -> type:
+        class Wrapper(torch.nn.Module):
+            def forward(self, x):
+                return x * scale
+
+        # defined by a trusted library, as kernels' Func
+        Wrapper.__module__ = Wrapper.forward.__module__ = "transformers.fake_hub_kernels"
+        return Wrapper
+
+    def with_wrapper(cls: type, **attrs) -> torch.nn.Module:
+        m = make_llama()
+        wrapper = cls()
+        for key, value in attrs.items():
+            setattr(wrapper, key, value)
+        m.model.layers[0].self_attn.__dict__["_kernel_funcs"] = {"rotary": wrapper}
+        return m
+
+    first, refusals = fingerprint_and_refusals(with_wrapper(wrapper_class(2.0)))
+    assert refusals == []
+    assert first != model_fingerprint(make_llama())
+    assert fingerprint_and_refusals(with_wrapper(wrapper_class(3.0)))[0] != first  # its forward's closure differs
+    assert fingerprint_and_refusals(with_wrapper(wrapper_class(2.0), scale=1.0))[1]  # a setting of its own
+
+
 def test_remote_code_helpers_beside_the_modeling_file_are_hashed(tmp_path, monkeypatch):
     """Remote code (`transformers_modules.*`) may keep helpers in other files of its folder: all are hashed."""
     import importlib

@@ -61,7 +61,7 @@ _OPAQUE_PACKAGES = frozenset({"torch", "triton", "hf_accel", "builtins", "thread
 # own; Dynamo would guard on those, this check cannot see them all, so such a model is traced every time.
 _TRUSTED_PACKAGES = frozenset({
     "transformers", "transformers_modules", "torch", "hf_accel", "peft", "accelerate", "torchao", "bitsandbytes",
-    "compressed_tensors", "triton", "safetensors", "huggingface_hub", "tokenizers",
+    "compressed_tensors", "triton", "safetensors", "huggingface_hub", "tokenizers", "kernels",
     "typing_extensions", "numpy", "tqdm", "packaging", "filelock", "regex", "yaml", "jinja2",
     *sys.stdlib_module_names})
 # the packages whose version (compile cache key, or _package_versions) stands for their code
@@ -116,7 +116,11 @@ class _Describer:
         if isinstance(value, types.ModuleType):
             return f"<module {value.__name__}>"
         if isinstance(value, torch.nn.Module):  # registered submodules are walked; one kept as a plain attribute
-            # (and so called instead of the registered one) has settings this description would not reach
+            # (and so called instead of the registered one) has settings this description would not reach, unless
+            # it holds nothing of its own: a function wrapped as a module (`kernels`' Func, which transformers >= 5.2x
+            # makes of helpers such as `apply_rotary_pos_emb`)
+            if _stateless_module(value):
+                return self.stateless_module(value, depth)
             return self._distrust(f"an unregistered {type(value).__qualname__} module attribute")
         untrusted_class = next((k for k in kind.__mro__ if not _trusted_module(k.__module__)), None)
         if untrusted_class is not None:  # a class of the user's (a config subclass with a property, say)
@@ -132,6 +136,15 @@ class _Describer:
                     attrs[slot] = getattr(value, slot)
         attrs = {k: v for k, v in attrs.items() if not k.startswith("_hf_accel") and "hash" not in k}
         return name + self.value(attrs, depth + 1) if attrs else name
+
+    def stateless_module(self, module: torch.nn.Module, depth: int) -> str:
+        """A module holding nothing but what every nn.Module holds (`_stateless_module`): its class (every
+        attribute, methods by code), `training` and a `forward` set on the instance."""
+        cls = type(module)
+        if not _trusted_module(cls.__module__):
+            return self._distrust(f"an unregistered module attribute of {cls.__module__}.{cls.__qualname__}")
+        attrs = {k: v for k, v in vars(module).items() if k in ("training", "forward")}
+        return f"<module {cls.__module__}.{cls.__qualname__}>[{self.class_(cls)}]{self.value(attrs, depth + 1)}"
 
     def callable(self, fn: Any, depth: int) -> str:
         """A function by its code, defaults and closure; one defined outside the trusted packages distrusts."""
@@ -215,6 +228,18 @@ class _Describer:
         return ";".join(parts)
 
 
+@functools.cache
+def _plain_module_attributes() -> frozenset[str]:
+    """The instance attributes every nn.Module has (its machinery), and an instance `forward`."""
+    return frozenset(vars(torch.nn.Module())) | {"forward"}
+
+
+def _stateless_module(module: torch.nn.Module) -> bool:
+    """No parameters, buffers, submodules, hooks or attributes of its own (settings such as Hardtanh's bounds)."""
+    return not (module._parameters or module._buffers or module._modules or module._forward_hooks
+                or module._forward_pre_hooks) and set(vars(module)) <= _plain_module_attributes()
+
+
 def _trusted_module(module: str | None) -> bool:
     return bool(module) and module.split(".")[0] in _TRUSTED_PACKAGES  # type: ignore[union-attr]
 
@@ -281,7 +306,7 @@ def _package_versions() -> str:
     """Versions of the trusted packages the compile cache's key does not name: installed ones, imported or not (what
     a process happened to import must not change the fingerprint)."""
     out = []
-    for name in ("peft", "accelerate", "torchao", "bitsandbytes", "compressed-tensors"):
+    for name in ("peft", "accelerate", "torchao", "bitsandbytes", "compressed-tensors", "kernels"):
         try:
             out.append(f"{name}={importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
