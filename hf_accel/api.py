@@ -621,6 +621,9 @@ def engine_info(model) -> dict[str, Any]:
         "int8_weight_linears": (len(eng.runner.piecewise.stats.int8_weight_linears)
                                 if getattr(eng.runner, "piecewise", None) is not None else 0),
         "int8_gemm": eng.compile_info.get("int8_gemm"),
+        # RMSNorms (with their residual adds) the compiled forward runs inside the linear after them (norm_folding)
+        "folded_norms": (eng.runner.piecewise.stats.folded_norms
+                         if getattr(eng.runner, "piecewise", None) is not None else 0),
         # the compiled pieces round as eager PyTorch does (a model that quantizes activations; patches/quantization)
         "eager_precision_casts": bool(eng.compile_info.get("eager_precision_casts")),
         # what was turned off at startup and why (e.g. a quantized module that a CUDA graph cannot capture)

@@ -107,6 +107,12 @@ class AccelConfig:
     # sampler takes those tokens when every request of the step is plain greedy, and computes its own otherwise.
     # False: the sampler's torch.argmax after the graph, as before this option (the A/B)
     graph_greedy_argmax: bool = True
+    # with small_m_gemm: a Llama-style RMSNorm (and the residual add before it) whose result feeds one linear is one op
+    # with that linear (compilation/norm_folding.py); at one row, where the linear's tuned kernel is the one-row
+    # GEMM, the norm runs inside it and its own kernel is gone (two per layer at batch 1); other steps run the add and
+    # the norm as one kernel of ours. Both round as the eager module does (Inductor's kernel keeps the normalized row
+    # in float32 before the weight). False: the norm and the add stay in Inductor's kernels, as before (the A/B)
+    fold_norms: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

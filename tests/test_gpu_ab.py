@@ -22,6 +22,7 @@ from conftest import random_left_padded
 
 from hf_accel import accelerate_model, available_backends, engine_info, restore
 from hf_accel.bench import tie_margin_for
+from hf_accel.compilation.norm_folding import MAX_FOLD_K
 
 pytestmark = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -228,6 +229,8 @@ def test_batch_one_decode_judged_by_float32(shape):
     try:
         decisions = (engine_info(model)["small_m_gemm"] or {}).get("decisions", {})
         assert any(isinstance(d, dict) and d.get("gemv") for d in decisions.values()), decisions
+        if model.config.hidden_size <= MAX_FOLD_K:  # the norms run inside the one-row GEMMs: judged here too
+            assert engine_info(model)["folded_norms"] > 0
         for ids, ref, ref_scores in refs:
             got = model.generate(input_ids=ids, max_new_tokens=24, do_sample=False)
             assert_greedy_matches(ref, got, ref_scores, ids.shape[1])

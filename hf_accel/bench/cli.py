@@ -209,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--graph-greedy-argmax", action=argparse.BooleanOptionalAction, default=None,
                    help="full decode graphs end with the greedy argmax (default: on); --no-graph-greedy-argmax "
                         "leaves it to the sampler after the graph")
+    a.add_argument("--fold-norms", action=argparse.BooleanOptionalAction, default=None,
+                   help="RMSNorms (and the residual add before them) run inside the one-row GEMM after them at "
+                        "batch 1 (default: on); --no-fold-norms keeps Inductor's norm kernels")
     a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="read the traced forward back from the compile cache (default: on); "
                         "--no-reuse-traced-graph traces every start")

@@ -221,7 +221,7 @@ _INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.setitem}
 
 
-def _may_mutate(node: torch.fx.Node) -> bool:
+def may_mutate(node: torch.fx.Node) -> bool:
     """Conservatively: could this node write into an existing tensor (an in-place op or a mutating custom op)?"""
     if node.op == "call_method":
         name = str(node.target)
@@ -249,7 +249,7 @@ def _rewrite(graph: torch.fx.Graph, run: list[torch.fx.Node], real: dict) -> boo
     order = {n: i for i, n in enumerate(graph.nodes)}
     first, last = min(order[n] for n in run), max(order[n] for n in run)
     members = set(run)
-    if any(_may_mutate(n) for n in graph.nodes if first < order[n] < last and n not in members):
+    if any(may_mutate(n) for n in graph.nodes if first < order[n] < last and n not in members):
         return False
     earliest = min(run, key=lambda n: order[n])
     x, w0, b0 = run[0].args[0], run[0].args[1], _bias(run[0])

@@ -361,12 +361,13 @@ class ModelRunner:
 
     def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
                            model_config, dtype: torch.dtype, *, pdl: bool = False,
-                           small_m_gemm: bool = False, progress=None, tp=None,
+                           small_m_gemm: bool = False, fold_norms: bool = False, progress=None, tp=None,
                            reuse_traced_graph: bool = False, mixed_capture_sizes: list[int] | None = None) -> dict:
         """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings.
 
         `pdl`: Inductor's kernels use programmatic dependent launch. `small_m_gemm`: linears go through
-        `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket.
+        `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket;
+        `fold_norms`: the RMSNorms before them go into them (compilation/norm_folding.py).
         `progress`: a `hf_accel.progress.StartupProgress` told when each phase starts. `tp`: the tensor-parallel
         group (engine/tensor_parallel.py); a compile failure on one of its ranks ends the job instead of falling
         back on that rank alone. `reuse_traced_graph`: Dynamo's trace is stored in the compile cache and a later
@@ -417,7 +418,8 @@ class ModelRunner:
             self.piecewise = compile_piecewise(self.forward_2d, capture_sizes=self.dispatcher.piecewise_sizes,
                                                use_cudagraph=on_cuda and bool(self.dispatcher.piecewise_sizes),
                                                graph_pool=pool, route_linears=small_m_gemm and on_cuda, pdl=pdl,
-                                               eager_casts=eager_casts, trace_cache=trace_cache)
+                                               eager_casts=eager_casts, trace_cache=trace_cache,
+                                               fold_norms=fold_norms)
             meta = self.upload(self.dummy_inputs([15, 1]))
             self.backend.prepare(meta)
             try:

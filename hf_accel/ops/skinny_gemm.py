@@ -42,6 +42,7 @@ from hf_accel.ops.pdl import launch_kwargs
 from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 MAX_M = 64  # rows this kernel is meant for; above it cuBLAS's large-M tiles win
+MAX_NORM_BLOCK = 4096  # columns of the row a normalizing one-row GEMM sums at a time (`_row_rstd`)
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,10 @@ def _skinny_gemm_kernel(
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr, N, K, K_PER_SPLIT, stride_wn,
+    r_ptr, g_ptr, h_ptr, inv_k, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr, FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+    NORM: tl.constexpr, HAS_ADD: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):
     """One row (M = 1) without tensor cores: each program multiplies a `[BLOCK_N, K / SPLIT_K]` slice of W by x
     element-wise in float32 and sums each row once, after the K loop. `tl.dot` pads M to 16, so at M = 1 the GEMM
@@ -113,7 +116,12 @@ def _gemv_kernel(
     dependent K loops; here a program can hold a few rows, and many programs each have their loads in flight at
     once. W's next K tile is loaded before the current one is used, and its first before the PDL wait: no kernel of
     the step writes a weight, so that load may overlap the previous kernel (whose successor launches right after
-    that kernel's own wait; x and every store come after the wait)."""
+    that kernel's own wait; x and every store come after the wait).
+
+    NORM: the input is `rms_norm(x (+ r))` with weight `g` (Llama style, `norm_linear_fused`): every program first
+    sums the squares of the whole row (`NORM_BLOCK` columns at a time; program 0 also stores `x + r` to `h_ptr`
+    under HAS_ADD), then its K loop normalizes each tile of x as it reads it, rounding where the stock module
+    rounds, so the GEMM sees the bits the norm kernel it replaces would have written."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,27 +130,64 @@ def _gemv_kernel(
     k0 = pid_k * K_PER_SPLIT
     k_end = tl.minimum(K, k0 + K_PER_SPLIT)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
-    x_ptrs = x_ptr + k0 + offs_k
     # EVEN_K (every split whole tiles of K): no mask along K, so the loads stay 16-byte vectors
     w = _gemv_tile(w_ptrs, n_ok[:, None], (k0 + offs_k)[None, :], k_end, EVEN_K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
+    rstd = 1.0
+    if NORM:
+        rstd = _row_rstd(x_ptr, r_ptr, h_ptr, K, inv_k, eps, pid_n + pid_k, HAS_ADD, NORM_BLOCK)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(BLOCK_K, K_PER_SPLIT, BLOCK_K):  # W's tile k is loaded before tile k - 1 is used
         w_next = _gemv_tile(w_ptrs + k, n_ok[:, None], (k0 + k + offs_k)[None, :], k_end, EVEN_K)
-        x = _gemv_tile(x_ptrs + (k - BLOCK_K), True, k0 + k - BLOCK_K + offs_k, k_end, EVEN_K)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x = _gemv_input(x_ptr, r_ptr, g_ptr, k0 + k - BLOCK_K + offs_k, k_end, rstd, EVEN_K, NORM, HAS_ADD)
+        acc += w.to(tl.float32) * x[None, :]
         w = w_next
     last = (K_PER_SPLIT - 1) // BLOCK_K * BLOCK_K
-    x = _gemv_tile(x_ptrs + last, True, k0 + last + offs_k, k_end, EVEN_K)
-    acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    x = _gemv_input(x_ptr, r_ptr, g_ptr, k0 + last + offs_k, k_end, rstd, EVEN_K, NORM, HAS_ADD)
+    acc += w.to(tl.float32) * x[None, :]
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])  # the output row, shaped as the GEMM's epilogue sees a tile
     _finish(row, y_ptr + offs_n[None, :], part_ptr + offs_n[None, :], N, pid_k, counters_ptr + pid_n, b_ptr, s_ptr,
             offs_n, n_ok, n_ok[None, :], IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS)
+
+
+@triton.jit
+def _row_rstd(x_ptr, r_ptr, h_ptr, K, inv_k, eps, program, HAS_ADD: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """`rsqrt(mean(h^2) + eps)` of the row `h = x (+ r)` (the sum rounded to x's dtype first, as a tensor add
+    rounds); the first program (`program` 0) also stores `h` to `h_ptr`."""
+    offs = tl.arange(0, NORM_BLOCK)
+    h_end = tl.where(program == 0, K, 0)  # the columns this program stores: all, or none
+    squares = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+    for c in range(0, K, NORM_BLOCK):
+        cols = c + offs
+        ok = cols < K
+        h = tl.load(x_ptr + cols, mask=ok, other=0.0)
+        if HAS_ADD:
+            h = (h.to(tl.float32) + tl.load(r_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(h_ptr + cols, h, mask=cols < h_end)
+        h = h.to(tl.float32)
+        squares += h * h
+    return tl.math.rsqrt(tl.sum(squares, axis=0) * inv_k + eps)
+
+
+@triton.jit
+def _gemv_input(x_ptr, r_ptr, g_ptr, k_offs, k_end, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+                HAS_ADD: tl.constexpr):
+    """The K tile of the GEMV's input at `k_offs`, in float32 (zeros at or past `k_end` without EVEN_K): x itself,
+    or with NORM `g * (h * rstd).to(dtype)` rounded to the dtype, `h = x (+ r)`: LlamaRMSNorm's formula."""
+    x = _gemv_tile(x_ptr + k_offs, True, k_offs, k_end, EVEN_K)
+    if NORM:
+        dtype = x_ptr.dtype.element_ty
+        if HAS_ADD:
+            x = (x.to(tl.float32) + _gemv_tile(r_ptr + k_offs, True, k_offs, k_end, EVEN_K).to(tl.float32)).to(dtype)
+        y = (x.to(tl.float32) * rstd).to(dtype)
+        g = _gemv_tile(g_ptr + k_offs, True, k_offs, k_end, EVEN_K)
+        x = (g.to(tl.float32) * y.to(tl.float32)).to(dtype)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -237,6 +282,47 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.view(*x.shape[:-1], n)
 
 
+@dataclass
+class NormArgs:
+    """The RMSNorm a one-row GEMM applies to its input (`norm_linear_fused`): `weight` and `eps` of the norm, and
+    with `residual`, the input is `x + residual`, which the launch also stores to `h`."""
+
+    weight: torch.Tensor | torch.dtype
+    eps: float
+    residual: torch.Tensor | torch.dtype | None = None
+    h: torch.Tensor | torch.dtype | None = None
+
+
+def norm_linear_fused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig, use_pdl: bool = False,
+                      counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`F.linear(rms_norm(h), weight, bias)` for one row `h = x (+ residual)`, in one launch of the one-row kernel
+    (`config.gemv`): returns the product and, given `residual`, `h` (else None).
+
+    The norm is LlamaRMSNorm's: `norm_weight * (h.float() * rsqrt(mean(h.float()^2) + eps)).to(dtype)`, each
+    step rounded as the stock module rounds it; `norm_weight` has x's dtype. It replaces the norm kernel (with the
+    residual add, the one Inductor makes of the add and the norm) that would run between the previous kernel and
+    this GEMM: `compilation.norm_folding` puts it in the traced forward."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    assert config.gemv and x.numel() == k, "norm_linear_fused is the one-row kernel's: one row, a GEMV config"
+    assert norm_weight.shape == (k,) and norm_weight.dtype == x.dtype and weight.shape[1] == k
+    x1 = x.reshape(k).contiguous()
+    r1 = residual.reshape(k).contiguous() if residual is not None else None
+    h = torch.empty_like(x1) if r1 is not None else None
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    k_per_split, split = _split(k, config)
+    part = torch.empty((split, 1, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    if counters is not None and counters.numel() < triton.cdiv(n, config.block_n):
+        counters = None
+    _launch(x1, weight, bias, None, y, part, counters, 1, n, k, k_per_split, split, (k, weight.stride(0), n),
+            config, use_pdl, warmup=False, norm=NormArgs(norm_weight.contiguous(), eps, r1, h))
+    out = y.view(*x.shape[:-1], n)
+    return out, (h.view(x.shape) if h is not None else None)
+
+
 def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype: torch.dtype, has_bias: bool,
                         has_scale: bool, config: SkinnyConfig, use_pdl: bool = False,
                         fused_splits: bool = True) -> list:
@@ -258,10 +344,12 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
 
 
 def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k_per_split: int, split: int,
-            strides: tuple[int, int, int], config: SkinnyConfig, use_pdl: bool, warmup: bool) -> list:
+            strides: tuple[int, int, int], config: SkinnyConfig, use_pdl: bool, warmup: bool,
+            norm: NormArgs | None = None) -> list:
     """Launch (or, with `warmup`, only compile) the GEMM and, when K is split and no `counters` are given, the
     reduction; one code path for both, so what is built ahead is what runs. The pointer arguments are tensors, or
-    dtypes when `warmup` (an absent bias, scale or counters is None). Returns what each launch returned."""
+    dtypes when `warmup` (an absent bias, scale or counters is None). `norm`: the one-row kernel normalizes its
+    input first (`norm_linear_fused`). Returns what each launch returned."""
     has_bias, has_scale = bias is not None, scale is not None
     fused = split > 1 and counters is not None
     in_gemm = split == 1 or fused  # the GEMM kernel itself writes the output (bias and scale there)
@@ -276,9 +364,18 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     pointers = (x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
                 counters if fused else part)
     if config.gemv:
-        gemv = launcher(_gemv_kernel, grid, warmup, writes=(y,))
-        built = [gemv(*pointers, n, k, k_per_split, stride_wn, **common)]
+        residual = norm.residual if norm is not None and norm.residual is not None else None
+        norm_pointers = ((residual if residual is not None else x, norm.weight, norm.h if residual is not None else x,
+                          1.0 / k, float(norm.eps)) if norm is not None else (x, x, x, 1.0, 0.0))
+        writes = (y, norm.h) if residual is not None else (y,)
+        gemv = launcher(_gemv_kernel, grid, warmup, writes=writes)
+        built = [gemv(*pointers, n, k, k_per_split, stride_wn, *norm_pointers, NORM=norm is not None,
+                      HAS_ADD=residual is not None,
+                      # a constant without a norm: K stays a runtime argument of the plain kernel (one build for all K)
+                      NORM_BLOCK=min(triton.next_power_of_2(k), MAX_NORM_BLOCK) if norm is not None else 16,
+                      **common)]
     else:
+        assert norm is None, "only the one-row kernel normalizes its input"
         gemm = launcher(_skinny_gemm_kernel, grid, warmup, writes=(y,))
         built = [gemm(*pointers, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym, BLOCK_M=config.block_m,
                       **common)]

@@ -1,0 +1,183 @@
+"""Compile pass: a Llama-style RMSNorm (and the residual add before it) feeding one linear becomes one op.
+
+Runs on Dynamo's graph after `small_m_linear.route_small_m_linears`. It looks for the norm by what it computes, not
+by module class: `g * (h32 * rsqrt(mean(h32 ** 2, -1, keepdim=True) + eps)).to(dtype)` with `h32 = h.to(float32)`,
+`g` a parameter of the activations' dtype, whose result has one user, an `hf_accel::linear` (a packed q/k/v or
+gate/up product is one linear by then). Where `h` is itself `a + b` of two tensors of its shape (the residual add),
+the add goes into the op too and the op's second output stands for `h` everywhere else. The chain becomes
+`hf_accel::add_rms_norm_linear(a, b, g, eps, W, bias)` or `hf_accel::rms_norm_linear(h, g, eps, W, bias)`
+(`ops.norm_linear`, which says when the norm really runs inside the GEMM). Gemma-style norms (`1 + weight`), norms
+whose result feeds anything but one linear (Qwen3's q/k norms, a final norm followed by the logits' row selection)
+keep their Inductor kernels.
+
+Only rows of at most `MAX_FOLD_K` columns fold. Every program of the one-row GEMM reads the whole row (twice: for its
+sum of squares, then tile by tile) where the unfolded GEMM reads it once, and that cost grows with the row: on the
+H200, W1 rose from 1,024 to 1,086 tok/s with the fold at qwen3-0.6b's 1,024 columns and from 989 to 1,015 at
+llama-3.2-1b's 2,048 (same lease), but fell from 233 to 228 at llama-3.1-8b's 4,096 (another lease).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from hf_accel.compilation.linear_packing import may_mutate
+from hf_accel.compilation.small_m_linear import ROUTED_DTYPES, static_weight
+
+MAX_FOLD_K = 2048  # widest row (hidden size) whose norm folds into the linear after it; see the module docstring
+_MUL = (operator.mul, torch.mul)
+_ADD = (operator.add, torch.add)
+
+
+def _is(node, functions=(), methods=()) -> bool:
+    return isinstance(node, torch.fx.Node) and (
+        (node.op == "call_function" and node.target in functions)
+        or (node.op == "call_method" and node.target in methods))
+
+
+def _value(node):
+    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+
+
+def _cast_to(node, dtype: torch.dtype):
+    """The node cast with `.to(dtype)` (or `.float()` for float32), or None."""
+    if _is(node, methods=("float",)) and dtype == torch.float32 and len(node.args) == 1 and not node.kwargs:
+        return node.args[0]
+    if not _is(node, methods=("to",)) or len(node.args) < 1:
+        return None
+    rest, kwargs = node.args[1:], dict(node.kwargs)
+    target = rest[0] if len(rest) == 1 and not kwargs else kwargs.pop("dtype", None) if not rest else None
+    return node.args[0] if target == dtype and not kwargs else None
+
+
+def _other(args: tuple, one) -> object:
+    """The argument of a two-argument call that is not `one` (None if `one` is not among them)."""
+    if len(args) != 2:
+        return None
+    return args[1] if args[0] is one else args[0] if args[1] is one else None
+
+
+def _single_user(node) -> bool:
+    return isinstance(node, torch.fx.Node) and len(node.users) == 1
+
+
+def match_llama_rms_norm(out: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, float, list] | None:
+    """(h, g, eps, the chain's nodes from `out` back) when `out` is LlamaRMSNorm's result on `h`, else None."""
+    if not _is(out, _MUL) or out.kwargs or len(out.args) != 2:
+        return None
+    for g, cast in (out.args, out.args[::-1]):
+        hv, gv = None, _value(g)
+        if not (isinstance(g, torch.fx.Node) and static_weight(g) and _single_user(cast)):
+            continue
+        if gv is None or gv.dim() != 1 or gv.dtype not in ROUTED_DTYPES:
+            continue
+        scaled = _cast_to(cast, gv.dtype)
+        if not (_is(scaled, _MUL) and _single_user(scaled) and not scaled.kwargs):
+            continue
+        for h32, rstd in (scaled.args, scaled.args[::-1]):
+            if not (_is(rstd, (torch.rsqrt,)) and _single_user(rstd) and len(rstd.args) == 1):
+                continue
+            shifted = rstd.args[0]
+            if not (_is(shifted, _ADD) and _single_user(shifted) and not shifted.kwargs and len(shifted.args) == 2):
+                continue
+            mean, eps = shifted.args
+            if not isinstance(eps, float | int) or isinstance(eps, bool):
+                continue
+            if not (_is(mean, methods=("mean",)) and _single_user(mean) and mean.kwargs == {"keepdim": True}
+                    and len(mean.args) == 2 and mean.args[1] in (-1, (-1,), [-1])):
+                continue
+            square = mean.args[0]
+            if not (_is(square, methods=("pow",)) and _single_user(square) and square.args[1:] == (2,)
+                    and square.args[0] is h32 and not square.kwargs):
+                continue
+            h = _cast_to(h32, torch.float32)
+            hv = _value(h)
+            if h is None or len(h32.users) != 2 or hv is None or hv.dtype != gv.dtype or hv.shape[-1] != gv.shape[0]:
+                continue
+            return h, g, float(eps), [out, cast, scaled, rstd, shifted, mean, square, h32]
+    return None
+
+
+def _addends(h: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(a, b) when `h` is `a + b` of two contiguous tensors of h's shape and dtype (no broadcast, no alpha), else
+    None. Contiguous, because the op's second output, standing for `h` from then on, is."""
+    if not (_is(h, _ADD) and not h.kwargs and len(h.args) == 2):
+        return None
+    a, b = h.args
+    hv, av, bv = _value(h), _value(a), _value(b)
+    if not all(isinstance(v, torch.Tensor) for v in (hv, av, bv)):
+        return None
+    if not (av.shape == bv.shape == hv.shape and av.dtype == bv.dtype == hv.dtype):
+        return None
+    try:
+        contiguous = bool(hv.is_contiguous())
+    except Exception:  # a size the shape environment cannot decide
+        contiguous = False
+    return (a, b) if contiguous else None
+
+
+def _moves_past_a_write(gm: torch.fx.GraphModule, start: torch.fx.Node, linear: torch.fx.Node) -> bool:
+    """Whether a node after `start` and before `linear` may write a tensor: the op runs at the linear's place, so the
+    norm (and the add) would read what such a write left instead of what they read where they were."""
+    seen = False
+    for node in gm.graph.nodes:
+        if node is linear:
+            return False
+        if seen and may_mutate(node):
+            return True
+        seen = seen or node is start
+    return False
+
+
+def fold_norms_into_linears(gm: torch.fx.GraphModule) -> int:
+    """Replace each LlamaRMSNorm (with its residual add) that feeds one `hf_accel::linear` by one op (module
+    docstring); returns how many were folded."""
+    import hf_accel.ops.norm_linear  # noqa: F401  (registers the ops)
+
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.hf_accel.linear.default:
+            continue
+        x, w, bias, use_pdl = node.args
+        if not _single_user(x):
+            continue
+        match = match_llama_rms_norm(x)
+        if match is None:
+            continue
+        h, g, eps, chain = match
+        wv = _value(w)
+        if wv is None or wv.shape[-1] != _value(h).shape[-1] or wv.shape[-1] > MAX_FOLD_K:
+            continue
+        addends = _addends(h)
+        if addends is not None:
+            # the op's second output replaces h, so every other use of h must come after the op (the linear's place)
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            if any(order[u] < order[node] for u in h.users if u is not chain[-1]):
+                addends = None
+        if _moves_past_a_write(gm, h if addends is not None else chain[-1], node):
+            continue
+        with gm.graph.inserting_before(node):
+            if addends is not None:
+                fused = gm.graph.call_function(torch.ops.hf_accel.add_rms_norm_linear.default,
+                                               (*addends, g, eps, w, bias, use_pdl))
+                y = gm.graph.call_function(operator.getitem, (fused, 0))
+                h_new = gm.graph.call_function(operator.getitem, (fused, 1))
+                fused.meta["example_value"] = (_value(node), _value(h))
+                h_new.meta.update(h.meta)
+            else:
+                y = gm.graph.call_function(torch.ops.hf_accel.rms_norm_linear.default, (h, g, eps, w, bias, use_pdl))
+        y.meta.update(node.meta)
+        node.replace_all_uses_with(y)
+        gm.graph.erase_node(node)
+        for dead in chain:  # from the norm's result back to its float32 cast: each one's only user was the last
+            gm.graph.erase_node(dead)
+        if addends is not None:
+            h.replace_all_uses_with(h_new)
+            gm.graph.erase_node(h)
+        folded += 1
+    if folded:
+        gm.graph.lint()
+        gm.recompile()
+    return folded

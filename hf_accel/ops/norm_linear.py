@@ -1,0 +1,94 @@
+"""`hf_accel::rms_norm_linear` and `hf_accel::add_rms_norm_linear`: a decoder layer's RMSNorm and the linear after it.
+
+In a decode step at batch 1, the residual add and the RMSNorm before the q/k/v and gate/up projections are one
+Inductor kernel each: a launch, a wait for the GEMM before it, a row read and a row written, about 1.5 us on the H200
+for 4 KB of work, twice per layer. The compile pass `compilation.norm_folding` hands such a pair (the norm's input,
+or the two addends of the add before it, the norm's weight and epsilon, and the linear) to these ops instead. At run
+time, with one row and a weight shape whose tuned M = 1 decision is the one-row GEMM kernel, the op is that kernel
+normalizing its own input (`skinny_gemm.norm_linear_fused`): the norm kernel is gone. Everywhere else (more rows,
+another decision, CPU) it runs the add and the norm as one kernel (`fused_kernels.add_rms_norm` on CUDA, torch's ops
+on CPU), as Inductor did, then `hf_accel::linear`.
+
+Numerics: each form rounds where the eager LlamaRMSNorm rounds (the sum to the activations' dtype, the normalized row
+to it, then the product with the weight), so the GEMM reads the bits the stock module would give it, up to the order
+of the float32 sum of squares (and a multiply by 1/K for the mean). Inductor's own norm kernel, which this replaces,
+keeps the normalized row in float32 up to the product with the weight (it does not emulate that cast), so with the
+fold on, steps of any size round as eager does rather than with Inductor's extra precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_accel.attention.context import split_k_counters
+from hf_accel.ops.linear import linear, tuned_config
+
+_kernels: dict = {}  # the Triton modules, imported on first use (they import triton)
+
+
+def _module(name: str):
+    if name not in _kernels:
+        if name == "gemm":
+            from hf_accel.ops import skinny_gemm as module
+        else:
+            from hf_accel.ops import fused_kernels as module
+        _kernels[name] = module
+    return _kernels[name]
+
+
+def _fused_config(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None):
+    """The one-row GEMM config that runs this call with the norm inside it, or None (the unfused path)."""
+    k = x.shape[-1]
+    if not (x.is_cuda and k and x.numel() == k and weight.dtype == x.dtype == norm_weight.dtype
+            and weight.stride(-1) == 1 and (residual is None or residual.dtype == x.dtype)
+            and (bias is None or bias.dtype == x.dtype)):
+        return None
+    cfg = tuned_config(x.device, x.dtype, weight.shape[0], weight.shape[1], bias is not None, 1)
+    return cfg if cfg is not None and cfg.gemv else None
+
+
+def _norm_unfused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, h): the add and the norm as the graph had them, one kernel on CUDA."""
+    if x.is_cuda and (residual is None or residual.dtype == x.dtype) and norm_weight.dtype == x.dtype:
+        return _module("norm").add_rms_norm(x, residual, norm_weight, eps, use_pdl)
+    h = (x + residual).contiguous() if residual is not None else x  # contiguous, as the op's fake says
+    h32 = h.to(torch.float32)
+    normed = norm_weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return normed, h
+
+
+def _run(x, residual, norm_weight, eps, weight, bias, use_pdl) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = _fused_config(x, residual, norm_weight, weight, bias)
+    if cfg is not None:
+        y, h = _module("gemm").norm_linear_fused(x, residual, norm_weight, eps, weight, bias, cfg, use_pdl,
+                                                 counters=split_k_counters())
+        return y, (h if h is not None else x)
+    normed, h = _norm_unfused(x, residual, norm_weight, eps, use_pdl)
+    return linear(normed, weight, bias, use_pdl), h
+
+
+@torch.library.custom_op("hf_accel::rms_norm_linear", mutates_args=())
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None, use_pdl: bool) -> torch.Tensor:
+    """`F.linear(llama_rms_norm(x, norm_weight, eps), weight, bias)` (see the module docstring)."""
+    return _run(x, None, norm_weight, eps, weight, bias, use_pdl)[0]
+
+
+@rms_norm_linear.register_fake
+def _(x, norm_weight, eps, weight, bias, use_pdl):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("hf_accel::add_rms_norm_linear", mutates_args=())
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None,
+                        use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(F.linear(llama_rms_norm(h, norm_weight, eps), weight, bias), h)` for `h = x + residual`."""
+    return _run(x, residual, norm_weight, eps, weight, bias, use_pdl)
+
+
+@add_rms_norm_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, bias, use_pdl):
+    return x.new_empty((*x.shape[:-1], weight.shape[0])), x.new_empty(x.shape)
