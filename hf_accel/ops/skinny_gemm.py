@@ -26,6 +26,10 @@ before any store, and lets its successor launch right after that wait (`HF_ACCEL
 K loop), so the successor's launch and its pre-wait weight loads overlap this kernel's whole loop. The one-row kernel
 loads its first tile of W before the wait: no kernel of a step writes a weight.
 
+The one-row kernel can also apply a Llama-style RMSNorm (and the residual add before it) to its input itself
+(`norm_linear_fused`, for `ops.norm_linear`): each program sums the squares of the whole row, then normalizes each
+tile of x as its K loop reads it; program 0 stores the add's result for the rest of the layer.
+
 This module imports triton at the top; callers import it lazily.
 """
 
@@ -287,10 +291,10 @@ class NormArgs:
     """The RMSNorm a one-row GEMM applies to its input (`norm_linear_fused`): `weight` and `eps` of the norm, and
     with `residual`, the input is `x + residual`, which the launch also stores to `h`."""
 
-    weight: torch.Tensor | torch.dtype
+    weight: torch.Tensor
     eps: float
-    residual: torch.Tensor | torch.dtype | None = None
-    h: torch.Tensor | torch.dtype | None = None
+    residual: torch.Tensor | None = None
+    h: torch.Tensor | None = None
 
 
 def norm_linear_fused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
