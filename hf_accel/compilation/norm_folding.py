@@ -52,13 +52,6 @@ def _cast_to(node, dtype: torch.dtype):
     return node.args[0] if target == dtype and not kwargs else None
 
 
-def _other(args: tuple, one) -> object:
-    """The argument of a two-argument call that is not `one` (None if `one` is not among them)."""
-    if len(args) != 2:
-        return None
-    return args[1] if args[0] is one else args[0] if args[1] is one else None
-
-
 def _single_user(node) -> bool:
     return isinstance(node, torch.fx.Node) and len(node.users) == 1
 
@@ -68,7 +61,7 @@ def match_llama_rms_norm(out: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.No
     if not _is(out, _MUL) or out.kwargs or len(out.args) != 2:
         return None
     for g, cast in (out.args, out.args[::-1]):
-        hv, gv = None, _value(g)
+        gv = _value(g)
         if not (isinstance(g, torch.fx.Node) and static_weight(g) and _single_user(cast)):
             continue
         if gv is None or gv.dim() != 1 or gv.dtype not in ROUTED_DTYPES:
