@@ -25,6 +25,7 @@ import torch.fx
 
 from hf_accel.compilation.linear_packing import may_mutate
 from hf_accel.compilation.small_m_linear import ROUTED_DTYPES, static_weight
+from hf_accel.compilation.small_m_linear import example_value as _value
 
 MAX_FOLD_K = 2048  # widest row (hidden size) whose norm folds into the linear after it; see the module docstring
 _MUL = (operator.mul, torch.mul)
@@ -37,19 +38,20 @@ def _is(node, functions=(), methods=()) -> bool:
         or (node.op == "call_method" and node.target in methods))
 
 
-def _value(node):
-    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-
-
 def _cast_to(node, dtype: torch.dtype):
     """The node cast with `.to(dtype)` (or `.float()` for float32), or None."""
     if _is(node, methods=("float",)) and dtype == torch.float32 and len(node.args) == 1 and not node.kwargs:
         return node.args[0]
     if not _is(node, methods=("to",)) or len(node.args) < 1:
         return None
-    rest, kwargs = node.args[1:], dict(node.kwargs)
-    target = rest[0] if len(rest) == 1 and not kwargs else kwargs.pop("dtype", None) if not rest else None
-    return node.args[0] if target == dtype and not kwargs else None
+    rest, kwargs = node.args[1:], node.kwargs
+    if len(rest) == 1 and not kwargs:  # .to(dtype)
+        target = rest[0]
+    elif not rest and set(kwargs) == {"dtype"}:  # .to(dtype=dtype)
+        target = kwargs["dtype"]
+    else:
+        return None
+    return node.args[0] if target == dtype else None
 
 
 def _single_user(node) -> bool:
@@ -111,17 +113,16 @@ def _addends(h: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     return (a, b) if contiguous else None
 
 
-def _moves_past_a_write(gm: torch.fx.GraphModule, start: torch.fx.Node, linear: torch.fx.Node) -> bool:
-    """Whether a node after `start` and before `linear` may write a tensor: the op runs at the linear's place, so the
-    norm (and the add) would read what such a write left instead of what they read where they were."""
-    seen = False
-    for node in gm.graph.nodes:
-        if node is linear:
-            return False
-        if seen and may_mutate(node):
-            return True
-        seen = seen or node is start
-    return False
+def _nodes_between(start: torch.fx.Node, end: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes after `start` and before `end` in graph order (`start` comes first: it feeds `end`'s input),
+    found by walking back from `end`, so a fold costs the length of its own chain, not of the graph."""
+    nodes = []
+    node = end.prev
+    while node is not start and node.op != "root":
+        nodes.append(node)
+        node = node.prev
+    nodes.reverse()
+    return nodes
 
 
 def fold_norms_into_linears(gm: torch.fx.GraphModule) -> int:
@@ -143,13 +144,14 @@ def fold_norms_into_linears(gm: torch.fx.GraphModule) -> int:
         wv = _value(w)
         if wv is None or wv.shape[-1] != _value(h).shape[-1] or wv.shape[-1] > MAX_FOLD_K:
             continue
+        # the op runs at the linear's place: the add's result, which its second output replaces, must not be used
+        # before that, and nothing in between may write a tensor (the norm and the add would read what it wrote)
+        between = _nodes_between(h, node)
         addends = _addends(h)
-        if addends is not None:
-            # the op's second output replaces h, so every other use of h must come after the op (the linear's place)
-            order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            if any(order[u] < order[node] for u in h.users if u is not chain[-1]):
-                addends = None
-        if _moves_past_a_write(gm, h if addends is not None else chain[-1], node):
+        if addends is not None and any(u in between for u in h.users if u is not chain[-1]):
+            addends = None
+        moved_past = between if addends is not None else between[between.index(chain[-1]) + 1:]
+        if any(may_mutate(n) for n in moved_past):
             continue
         with gm.graph.inserting_before(node):
             if addends is not None:

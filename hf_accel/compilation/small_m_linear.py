@@ -43,6 +43,11 @@ def static_weight(node) -> bool:
     return False
 
 
+def example_value(node: object) -> object:
+    """Dynamo's example (fake) value of a graph node; None for a constant argument or a node without one."""
+    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+
+
 def _linear_calls(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, tuple, tuple]]:
     """Each `F.linear`-like call of the graph: the node, its (input, weight, bias) arguments (bias None when
     absent) and their example values (None where an argument is not a node)."""
@@ -50,8 +55,7 @@ def _linear_calls(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, tup
         if node.op != "call_function" or node.target not in LINEAR_TARGETS or node.kwargs:
             continue
         args = (list(node.args) + [None] * 3)[:3]
-        yield node, tuple(args), tuple(a.meta.get("example_value") if isinstance(a, torch.fx.Node) else None
-                                       for a in args)
+        yield node, tuple(args), tuple(example_value(a) for a in args)
 
 
 def route_small_m_linears(gm: torch.fx.GraphModule, use_pdl: bool,

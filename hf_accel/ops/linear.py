@@ -97,8 +97,7 @@ _skinny_linear = None  # hf_accel.ops.skinny_gemm.skinny_linear, imported on fir
 @torch.library.custom_op("hf_accel::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_pdl: bool) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; small-M steps on CUDA may run the tuned Triton GEMM instead (see module doc)."""
-    if (x.is_cuda and weight.stride(-1) == 1 and weight.dtype == x.dtype
-            and (bias is None or (bias.stride(0) == 1 and bias.dtype == x.dtype))):
+    if kernel_operands(x, weight, bias):
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if m > 0:
             cfg = tuned_config(x.device, x.dtype, weight.shape[0], weight.shape[1], bias is not None, m)
@@ -108,6 +107,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use
                     from hf_accel.ops.skinny_gemm import skinny_linear as _skinny_linear
                 return _skinny_linear(x, weight, bias, cfg, use_pdl, counters=split_k_counters())
     return F.linear(x, weight, bias)
+
+
+def kernel_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether our GEMM kernels can take these operands: on CUDA, the weight's rows contiguous, one dtype (the
+    bias, if any, contiguous too). Anything else runs `F.linear`."""
+    return (x.is_cuda and weight.stride(-1) == 1 and weight.dtype == x.dtype
+            and (bias is None or (bias.stride(0) == 1 and bias.dtype == x.dtype)))
 
 
 @linear.register_fake

@@ -21,28 +21,17 @@ from __future__ import annotations
 import torch
 
 from hf_accel.attention.context import split_k_counters
-from hf_accel.ops.linear import linear, tuned_config
+from hf_accel.ops.linear import kernel_operands, linear, tuned_config
 
-_kernels: dict = {}  # the Triton modules, imported on first use (they import triton)
-
-
-def _module(name: str):
-    if name not in _kernels:
-        if name == "gemm":
-            from hf_accel.ops import skinny_gemm as module
-        else:
-            from hf_accel.ops import fused_kernels as module
-        _kernels[name] = module
-    return _kernels[name]
+# the Triton kernel modules (skinny_gemm, fused_kernels) import triton: they are imported where first used
 
 
 def _fused_config(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None):
     """The one-row GEMM config that runs this call with the norm inside it, or None (the unfused path)."""
     k = x.shape[-1]
-    if not (x.is_cuda and k and x.numel() == k and weight.dtype == x.dtype == norm_weight.dtype
-            and weight.stride(-1) == 1 and (residual is None or residual.dtype == x.dtype)
-            and (bias is None or bias.dtype == x.dtype)):
+    if not (kernel_operands(x, weight, bias) and k and x.numel() == k and norm_weight.dtype == x.dtype
+            and (residual is None or residual.dtype == x.dtype)):
         return None
     cfg = tuned_config(x.device, x.dtype, weight.shape[0], weight.shape[1], bias is not None, 1)
     return cfg if cfg is not None and cfg.gemv else None
@@ -52,7 +41,9 @@ def _norm_unfused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
                   use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, h): the add and the norm as the graph had them, one kernel on CUDA."""
     if x.is_cuda and (residual is None or residual.dtype == x.dtype) and norm_weight.dtype == x.dtype:
-        return _module("norm").add_rms_norm(x, residual, norm_weight, eps, use_pdl)
+        from hf_accel.ops import fused_kernels
+
+        return fused_kernels.add_rms_norm(x, residual, norm_weight, eps, use_pdl)
     h = (x + residual).contiguous() if residual is not None else x  # contiguous, as the op's fake says
     h32 = h.to(torch.float32)
     normed = norm_weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
@@ -62,8 +53,10 @@ def _norm_unfused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 def _run(x, residual, norm_weight, eps, weight, bias, use_pdl) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = _fused_config(x, residual, norm_weight, weight, bias)
     if cfg is not None:
-        y, h = _module("gemm").norm_linear_fused(x, residual, norm_weight, eps, weight, bias, cfg, use_pdl,
-                                                 counters=split_k_counters())
+        from hf_accel.ops import skinny_gemm
+
+        y, h = skinny_gemm.norm_linear_fused(x, residual, norm_weight, eps, weight, bias, cfg, use_pdl,
+                                             counters=split_k_counters())
         return y, (h if h is not None else x)
     normed, h = _norm_unfused(x, residual, norm_weight, eps, use_pdl)
     return linear(normed, weight, bias, use_pdl), h

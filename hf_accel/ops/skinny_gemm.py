@@ -368,9 +368,13 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     pointers = (x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
                 counters if fused else part)
     if config.gemv:
-        residual = norm.residual if norm is not None and norm.residual is not None else None
-        norm_pointers = ((residual if residual is not None else x, norm.weight, norm.h if residual is not None else x,
-                          1.0 / k, float(norm.eps)) if norm is not None else (x, x, x, 1.0, 0.0))
+        residual = norm.residual if norm is not None else None
+        if norm is None:  # r, g, h: unused pointers (x stands in), 1 / K, eps
+            norm_pointers = (x, x, x, 1.0, 0.0)
+        elif residual is None:
+            norm_pointers = (x, norm.weight, x, 1.0 / k, float(norm.eps))
+        else:
+            norm_pointers = (residual, norm.weight, norm.h, 1.0 / k, float(norm.eps))
         writes = (y, norm.h) if residual is not None else (y,)
         gemv = launcher(_gemv_kernel, grid, warmup, writes=writes)
         built = [gemv(*pointers, n, k, k_per_split, stride_wn, *norm_pointers, NORM=norm is not None,
