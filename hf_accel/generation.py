@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
@@ -320,12 +321,14 @@ class EngineGenerator:
         def finish() -> torch.Tensor | GenerateDecoderOnlyOutput:
             if streamer is not None:
                 streamer.end()
-            # assemble: the padded prompt row + new tokens, pad after EOS
+            # assemble: the padded prompt row + new tokens, pad after EOS. The new tokens go through one numpy array
+            # (a row assignment per request) and one concatenation: a torch slice assignment per row took 4 ms of
+            # host time at batch 64 x 256 new tokens (the H200 host), on the call's critical path
             gen_len = max(len(r.output_token_ids) for r in requests)
-            out = torch.full((len(requests), padded_len + gen_len), pad if pad is not None else 0, dtype=torch.long)
-            out[:, :padded_len] = rows_cpu.repeat_interleave(n_ret, dim=0)
+            generated = np.full((len(requests), gen_len), pad if pad is not None else 0, dtype=np.int64)
             for i, r in enumerate(requests):
-                out[i, padded_len : padded_len + len(r.output_token_ids)] = torch.tensor(r.output_token_ids)
+                generated[i, : len(r.output_token_ids)] = r.output_token_ids
+            out = torch.cat([rows_cpu.repeat_interleave(n_ret, dim=0).long(), torch.from_numpy(generated)], dim=1)
             sequences = out.to(device)
             if not gc.return_dict_in_generate:
                 return sequences

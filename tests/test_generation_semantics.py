@@ -113,6 +113,18 @@ def test_positional_inputs_and_no_attention_mask(stock_model, accel_model):
     assert_same_tokens(a, b)
 
 
+def test_int32_prompt_with_early_eos_equals_stock(stock_model, accel_model):
+    """int32 ids come back as stock returns them (int64, the prompt rows as given), rows ended by EOS padded."""
+    ids, mask = left_pad(PROMPTS)
+    width = ids.shape[1]
+    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD_ID)
+    eos, _ = pick_early_eos(stock_model.generate(input_ids=ids, **common), width)
+    a, b = ab(stock_model, accel_model, input_ids=ids.int(), eos_token_id=eos, **common)
+    assert a.dtype == b.dtype == torch.int64
+    assert_same_tokens(a, b)
+    assert min(finish_steps(a, width, {eos})) < 9, "no row ended early"
+
+
 def test_attention_mask_inferred_from_pad_token(stock_model, accel_model):
     ids, _ = left_pad(PROMPTS)
     a, b = ab(stock_model, accel_model, input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=PAD_ID)
