@@ -105,12 +105,50 @@ def stock_reason(generation_config: GenerationConfig, model_kwargs: dict[str, An
 
 
 def eos_ids(gc: GenerationConfig) -> list[int]:
+    """The config's EOS ids as Python ints: one id or a list, each an int, a numpy integer or a tensor of them (stock
+    accepts all of these)."""
     eos = gc.eos_token_id
     if eos is None:
         return []
-    if isinstance(eos, torch.Tensor):
+    if isinstance(eos, torch.Tensor | np.ndarray | np.generic):
         eos = eos.tolist()
-    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    return [int(e) for e in eos] if isinstance(eos, list | tuple | set | frozenset) else [int(eos)]
+
+
+def pad_and_attention_mask(input_ids: torch.Tensor, gc: GenerationConfig,
+                           model_kwargs: dict[str, Any]) -> tuple[int | None, Any]:
+    """The pad id (the config's, else its first EOS id) and the attention mask of a generate() call: the one given,
+    else the one stock infers (`input_ids != pad` where the pad id occurs in the prompt and is not an EOS id, else
+    all ones)."""
+    eos = eos_ids(gc)
+    pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else None)
+    if isinstance(pad, torch.Tensor):
+        pad = int(pad.item())
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:
+        if pad is not None and (input_ids == pad).any() and pad not in eos:
+            attention_mask = input_ids.ne(pad).long()
+        else:
+            attention_mask = torch.ones_like(input_ids)
+    return pad, attention_mask
+
+
+def padding_reason(input_ids: Any, gc: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
+    """Why a generate() call's padding sends it stock: a row whose attention mask has a 0 after a 1 (right padding,
+    or masked tokens inside a prompt). The engine runs each row's unmasked tokens as one prompt and continues from
+    its last real token; stock also computes the masked positions and continues from the row's last position,
+    whatever the mask says there, so its tokens differ (it warns about right padding itself). Left padding is the
+    layout both compute alike. Malformed input is left to `prepare_generate`'s errors."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] < 2:
+        return None
+    _, mask = pad_and_attention_mask(input_ids, gc, model_kwargs)
+    if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
+        return None
+    kept = mask.bool()
+    if bool((kept[:, :-1] & ~kept[:, 1:]).any()):
+        return ("right padding, or masked tokens inside a prompt (an attention_mask with a 0 after a 1; "
+                "stock continues from each row's last position, pad or not: use left padding)")
+    return None
 
 
 class _StreamFeeder:
@@ -201,15 +239,7 @@ class EngineGenerator:
             raise ValueError("empty prompt: input_ids has no tokens (generate needs at least one prompt token)")
         device = input_ids.device
         eos = eos_ids(gc)
-        pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else None)
-        if isinstance(pad, torch.Tensor):
-            pad = int(pad.item())
-        attention_mask = model_kwargs.get("attention_mask")
-        if attention_mask is None:
-            if pad is not None and (input_ids == pad).any() and pad not in eos:
-                attention_mask = input_ids.ne(pad).long()
-            else:
-                attention_mask = torch.ones_like(input_ids)
+        pad, attention_mask = pad_and_attention_mask(input_ids, gc, model_kwargs)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids "
                              f"{tuple(input_ids.shape)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from conftest import (
@@ -703,6 +704,56 @@ def test_beam_search_takes_stock_path_with_one_warning(stock_model, accel_model)
     a, b = ab(stock_model, accel_model, input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
               pad_token_id=PAD_ID)
     assert_same_tokens(a, b)
+
+
+def _right_padded_cases():
+    """(name, generate kwargs) whose attention mask has a 0 after a 1 in some row."""
+    ids, mask = left_pad(PROMPTS)
+    right_ids = torch.full_like(ids, PAD_ID)
+    right_mask = torch.zeros_like(mask)
+    for r, row in enumerate(PROMPTS):  # the same prompts, padded on the right
+        right_ids[r, : len(row)] = torch.tensor(row)
+        right_mask[r, : len(row)] = 1
+    gap_mask = mask.clone()
+    gap_mask[0, -3] = 0  # a masked token inside row 0's prompt
+    pad_last = ids.clone()
+    pad_last[0, -1] = PAD_ID  # the pad id as row 0's last token, no mask given: stock infers the mask from it
+    return [("right padding", dict(input_ids=right_ids, attention_mask=right_mask)),
+            ("masked token inside a prompt", dict(input_ids=ids, attention_mask=gap_mask)),
+            ("inferred mask, pad id last", dict(input_ids=pad_last)),
+            ("right padding, batch of one", dict(input_ids=right_ids[1:2, :-1], attention_mask=right_mask[1:2, :-1]))]
+
+
+@pytest.mark.parametrize("case", range(len(_right_padded_cases())), ids=[c[0] for c in _right_padded_cases()])
+def test_right_padding_takes_stock_path_with_one_warning(stock_model, accel_model, case):
+    """The engine would continue each row from its last real token; stock continues from the row's last position
+    (a pad), so such calls run stock, with a warning, and return exactly stock's tokens."""
+    accelerate_model(accel_model)  # fresh engine state: nothing warned yet
+    kw = dict(_right_padded_cases()[case][1], max_new_tokens=6, do_sample=False, pad_token_id=PAD_ID)
+    expected = stock_model.generate(**kw)
+    before = engine_steps(accel_model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = accel_model.generate(**kw)
+    assert [m for m in _hf_accel_warnings(caught) if "padding" in m], _hf_accel_warnings(caught)
+    assert engine_steps(accel_model) == before
+    assert_same_tokens(expected, got)
+    # left padding of the same prompts still runs on the engine
+    ids, mask = left_pad(PROMPTS)
+    a, b = ab(stock_model, accel_model, input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+              pad_token_id=PAD_ID)
+    assert_same_tokens(a, b)
+
+
+def test_numpy_eos_token_id_equals_stock(stock_model, accel_model):
+    ids, mask = left_pad(PROMPTS)
+    width = ids.shape[1]
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD_ID)
+    eos, _ = pick_early_eos(stock_model.generate(**common), width)
+    for given in (np.int64(eos), np.array([eos, 199]), [np.int32(eos)], torch.tensor(eos)):
+        a, b = ab(stock_model, accel_model, **common, eos_token_id=given)
+        assert_same_tokens(a, b)
+        assert min(finish_steps(a, width, {eos})) < 9, "no row ended early"
 
 
 def test_output_attentions_takes_stock_path_with_one_warning(stock_model, accel_model):
