@@ -85,6 +85,17 @@ def pick_early_eos(sequences: torch.Tensor, prompt_width: int, exclude: set[int]
     raise AssertionError(f"no usable early-EOS token in {gen}")
 
 
+def early_eos_call(stock_model, max_new_tokens: int) -> tuple[dict, int, int]:
+    """Greedy generate() kwargs over the left-padded PROMPTS, their prompt width, and a token that ends one row early
+    (`pick_early_eos` on stock's output)."""
+    ids, mask = left_pad(PROMPTS)
+    width = ids.shape[1]
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                  pad_token_id=PAD_ID)
+    eos, _ = pick_early_eos(stock_model.generate(**common), width)
+    return common, width, eos
+
+
 class RecordingStreamer(BaseStreamer):
     def __init__(self) -> None:
         self.puts: list[torch.Tensor] = []
@@ -116,11 +127,8 @@ def test_positional_inputs_and_no_attention_mask(stock_model, accel_model):
 
 def test_int32_prompt_with_early_eos_equals_stock(stock_model, accel_model):
     """int32 ids come back as stock returns them (int64, the prompt rows as given), rows ended by EOS padded."""
-    ids, mask = left_pad(PROMPTS)
-    width = ids.shape[1]
-    common = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD_ID)
-    eos, _ = pick_early_eos(stock_model.generate(input_ids=ids, **common), width)
-    a, b = ab(stock_model, accel_model, input_ids=ids.int(), eos_token_id=eos, **common)
+    common, width, eos = early_eos_call(stock_model, 10)
+    a, b = ab(stock_model, accel_model, **{**common, "input_ids": common["input_ids"].int()}, eos_token_id=eos)
     assert a.dtype == b.dtype == torch.int64
     assert_same_tokens(a, b)
     assert min(finish_steps(a, width, {eos})) < 9, "no row ended early"
@@ -446,20 +454,14 @@ def test_min_new_tokens_and_eos_list(stock_model, accel_model):
 
 
 def test_min_length_counts_prompt(stock_model, accel_model):
-    ids, mask = left_pad(PROMPTS)
-    width = ids.shape[1]
-    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID)
-    eos, _ = pick_early_eos(stock_model.generate(**common), width)
+    common, width, eos = early_eos_call(stock_model, 12)
     a, b = ab(stock_model, accel_model, **common, eos_token_id=eos, min_length=width + 6)
     assert_same_tokens(a, b)
 
 
 def test_min_new_tokens_wins_over_min_length(stock_model, accel_model):
     """Stock replaces min_length by min_new_tokens + prompt length whenever min_new_tokens is set."""
-    ids, mask = left_pad(PROMPTS)
-    width = ids.shape[1]
-    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD_ID)
-    eos, _ = pick_early_eos(stock_model.generate(**common), width)
+    common, width, eos = early_eos_call(stock_model, 12)
     a, b = ab(stock_model, accel_model, **common, eos_token_id=eos, min_new_tokens=1, min_length=width + 9)
     assert_same_tokens(a, b)
     assert min(finish_steps(a, width, {eos})) < 9  # min_length alone would have held the EOS back
@@ -746,10 +748,7 @@ def test_right_padding_takes_stock_path_with_one_warning(stock_model, accel_mode
 
 
 def test_numpy_eos_token_id_equals_stock(stock_model, accel_model):
-    ids, mask = left_pad(PROMPTS)
-    width = ids.shape[1]
-    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD_ID)
-    eos, _ = pick_early_eos(stock_model.generate(**common), width)
+    common, width, eos = early_eos_call(stock_model, 10)
     for given in (np.int64(eos), np.array([eos, 199]), [np.int32(eos)], torch.tensor(eos)):
         a, b = ab(stock_model, accel_model, **common, eos_token_id=given)
         assert_same_tokens(a, b)
