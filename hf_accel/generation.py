@@ -39,7 +39,12 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StopStringCriteria,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_accel.engine.loop import CallEvent
@@ -85,6 +90,11 @@ def stock_reason(generation_config: GenerationConfig, model_kwargs: dict[str, An
         return "token healing"
     if gc.cache_implementation == "paged":
         return "cache_implementation='paged' (transformers' own continuous batching)"
+    replaced = _replaced_criteria(gc, extra.get("stopping_criteria"))
+    if replaced:
+        return (f"a stopping criterion of a type generate() builds itself ({', '.join(replaced)}): stock uses it "
+                "instead of its own, the engine would apply both (pass max_new_tokens, eos_token_id, max_time or "
+                "stop_strings instead)")
     rows = extra.get("num_rows", 1) * max(1, gc.num_return_sequences or 1)
     if rows > 1 and not eos_ids(gc) and (gc.stop_strings is not None or extra.get("stopping_criteria")):
         # without an EOS token stock generate() does not pad a row that met its stop criterion: the row keeps
@@ -149,6 +159,26 @@ def padding_reason(input_ids: Any, gc: GenerationConfig, model_kwargs: dict[str,
         return ("right padding, or masked tokens inside a prompt (an attention_mask with a 0 after a 1; "
                 "stock continues from each row's last position, pad or not: use left padding)")
     return None
+
+
+
+def _replaced_criteria(gc: GenerationConfig, criteria) -> list[str]:
+    """The classes of the user's stopping criteria that replace one stock generate() builds for this call: stock
+    (`_merge_criteria_processor_list`) keeps a user criterion of the same class as one of its own in place of its
+    own (a MaxLengthCriteria of 20 tokens lifts max_new_tokens=4), while the engine enforces the config's limits
+    itself and checks the user's criteria on top. Stock builds a MaxLengthCriteria for every call (max_length is
+    always resolved), an EosTokenCriteria when an EOS id is set, a MaxTimeCriteria with max_time, a
+    StopStringCriteria with stop_strings."""
+    if not criteria:
+        return []
+    built = [MaxLengthCriteria]
+    if eos_ids(gc):
+        built.append(EosTokenCriteria)
+    if gc.max_time is not None:
+        built.append(MaxTimeCriteria)
+    if gc.stop_strings is not None:
+        built.append(StopStringCriteria)
+    return sorted({type(c).__name__ for c in criteria if type(c) in built})
 
 
 class _StreamFeeder:
@@ -319,7 +349,7 @@ class EngineGenerator:
                 raise ValueError(f"row {b}: prompt of {len(prompt)} tokens + {max_new} new tokens exceeds {max_pos} "
                                  f"tokens, {self.engine.shape.context_limit_reason}")
             padded_row = rows_cpu[b].tolist()
-            for _ in range(n_ret):
+            for copy_index in range(n_ret):
                 rid = self.engine.new_request_id()
                 req = Request(
                     request_id=rid, prompt_token_ids=prompt, max_new_tokens=max_new,
@@ -334,9 +364,12 @@ class EngineGenerator:
                     extra_penalty_tokens=tuple(set(padded_row) - set(prompt)) if penalize_padding else (),
                 )
                 row_of = _row_view(padded_row)
-                if slow:  # processors built for this row alone (some hold per-row state such as padding lengths)
-                    row_processors = processors if batch == 1 else build_processors(input_ids[b : b + 1],
-                                                                                    attention_mask[b : b + 1])
+                if slow:  # processors built for each returned sequence alone: some keep per-row state (padding
+                    # lengths, a watermark's history), so no two sequences share one (`processors`, built for the
+                    # whole batch, serves the only sequence of a one-row call)
+                    alone = batch == 1 and copy_index == 0
+                    row_processors = processors if alone else build_processors(input_ids[b : b + 1],
+                                                                               attention_mask[b : b + 1])
                     req.logits_hook = _processor_hook(row_processors, row_of, device)
                 if criteria or deadline is not None:
                     req.stop_check = _stop_hook(criteria, row_of, deadline)

@@ -25,7 +25,18 @@ from conftest import (
     run_requests,
     stock_processors,
 )
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, pipeline
+from transformers import (
+    EosTokenCriteria,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+    pipeline,
+)
 from transformers.generation.continuous_batching.requests import GenerationOutput
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -635,6 +646,66 @@ def test_custom_stopping_criteria_equals_stock(stock_model, accel_model):
     b = accel_generate(accel_model, **common, stopping_criteria=[StopOnToken(stop_tok)])
     assert_same_tokens(a, b)
     assert (a[row, width:] == PAD_ID).any(), "the criterion did not stop its row"
+
+
+
+# (name, the user's criterion, generate kwargs that make stock build one of the same class itself)
+BUILTIN_CRITERIA = [
+    ("EosTokenCriteria", lambda tok: EosTokenCriteria(147), dict(max_new_tokens=10, eos_token_id=32)),
+    ("MaxLengthCriteria", lambda tok: MaxLengthCriteria(max_length=20), dict(max_new_tokens=4)),
+    ("MaxTimeCriteria", lambda tok: MaxTimeCriteria(100.0), dict(max_new_tokens=6, max_time=0.0)),
+    ("StopStringCriteria", lambda tok: StopStringCriteria(tok, ["~"]),
+     dict(max_new_tokens=10, eos_token_id=EOS_ID, stop_strings=["S"])),
+]
+
+
+@pytest.mark.parametrize("case", BUILTIN_CRITERIA, ids=[c[0] for c in BUILTIN_CRITERIA])
+def test_user_criterion_of_a_builtin_class_runs_stock(stock_model, accel_model, tokenizer, case):
+    """Stock uses a user criterion of a class it builds itself instead of its own (a MaxLengthCriteria of 20 tokens
+    lifts max_new_tokens=4); the engine would enforce both, so such a call runs stock, with a warning."""
+    _, criterion, kwargs = case
+    accelerate_model(accel_model)  # fresh engine state: nothing warned yet
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=PAD_ID, tokenizer=tokenizer, **kwargs)
+    expected = stock_model.generate(**kw, stopping_criteria=StoppingCriteriaList([criterion(tokenizer)]))
+    before = engine_steps(accel_model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = accel_model.generate(**kw, stopping_criteria=StoppingCriteriaList([criterion(tokenizer)]))
+    assert engine_steps(accel_model) == before
+    assert [m for m in _hf_accel_warnings(caught) if "stopping criterion" in m], _hf_accel_warnings(caught)
+    assert_same_tokens(expected, got)
+
+
+def test_user_max_time_criterion_without_max_time_runs_on_the_engine(stock_model, accel_model):
+    """A criterion of a built-in class that stock does not build for this call is one more criterion: the engine."""
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD_ID)
+    a = stock_model.generate(**kw, stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(100.0)]))
+    b = accel_generate(accel_model, **kw, stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(100.0)]))
+    assert_same_tokens(a, b)
+
+
+def test_stateful_processor_not_shared_between_returned_sequences(stock_model, accel_model):
+    """One prompt, two returned sequences, a watermark that keeps per-row history: each sequence has its own
+    processors (sharing one list advanced its state twice per step and changed the scores from the sixth step)."""
+    from transformers import SynthIDTextWatermarkingConfig
+
+    def call(model, run):
+        torch.manual_seed(0)
+        return run(model, input_ids=torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=True, top_k=1,
+                   num_return_sequences=2, return_dict_in_generate=True, output_scores=True,
+                   watermarking_config=SynthIDTextWatermarkingConfig(keys=[654, 400, 836, 123, 340, 443, 597, 160,
+                                                                           57, 29], ngram_len=3))
+
+    a = call(stock_model, lambda m, **kw: m.generate(**kw))
+    b = call(accel_model, accel_generate)
+    assert_same_tokens(a.sequences, b.sequences)
+    assert len(a.scores) == len(b.scores)
+    for step, (x, y) in enumerate(zip(a.scores, b.scores, strict=True)):
+        assert torch.equal(torch.isinf(x), torch.isinf(y)), f"step {step}: masked tokens differ from stock"
+        finite = torch.isfinite(x)
+        torch.testing.assert_close(y[finite], x[finite], atol=ATOL, rtol=0)
 
 
 # -- generate_batch --------------------------------------------------------------------------------------------------
