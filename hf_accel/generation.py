@@ -161,7 +161,6 @@ def padding_reason(input_ids: Any, gc: GenerationConfig, model_kwargs: dict[str,
     return None
 
 
-
 def _replaced_criteria(gc: GenerationConfig, criteria) -> list[str]:
     """The classes of the user's stopping criteria that replace one stock generate() builds for this call: stock
     (`_merge_criteria_processor_list`) keeps a user criterion of the same class as one of its own in place of its
