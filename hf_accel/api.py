@@ -41,7 +41,14 @@ from hf_accel.engine.engine import LLMEngine, ModelShape
 from hf_accel.engine.loop import EngineCall, EngineLoop
 from hf_accel.engine.model_state import is_tuner_layer
 from hf_accel.engine.tensor_parallel import TensorParallel, tensor_parallel_of
-from hf_accel.generation import EngineGenerator, PreparedCall, eos_ids, padding_reason, stock_reason
+from hf_accel.generation import (
+    EngineGenerator,
+    PreparedCall,
+    eos_ids,
+    pad_and_attention_mask,
+    padding_reason,
+    stock_reason,
+)
 from hf_accel.ops.fused import FusedRecord, install_fused_ops, uninstall_fused_ops
 from hf_accel.ops.triton_build import pin_ptxas
 from hf_accel.patches import family_patch
@@ -824,8 +831,10 @@ def _plan_generate(model, stock_args: dict[str, Any], seed: int | None = None) -
     plan.generation_config = gc
     reason = stock_reason(gc, model_kwargs, dict(extra, stopping_criteria=stopping_criteria,
                                                  num_rows=_num_rows(input_ids)))
-    if reason is None:
-        reason = padding_reason(input_ids, gc, model_kwargs)
+    if reason is None and isinstance(input_ids, torch.Tensor):
+        _, mask = pad_and_attention_mask(input_ids, gc, model_kwargs)
+        model_kwargs = {**model_kwargs, "attention_mask": mask}  # inferred once: prepare_generate takes it as given
+        reason = padding_reason(input_ids, mask)
     if reason is None:
         reason = _module_reason(model)
     if reason is None:

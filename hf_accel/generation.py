@@ -143,18 +143,17 @@ def pad_and_attention_mask(input_ids: torch.Tensor, gc: GenerationConfig,
     return pad, attention_mask
 
 
-def padding_reason(input_ids: Any, gc: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
-    """Why a generate() call's padding sends it stock: a row whose attention mask has a 0 after a 1 (right padding,
-    or masked tokens inside a prompt). The engine runs each row's unmasked tokens as one prompt and continues from
-    its last real token; stock also computes the masked positions and continues from the row's last position,
-    whatever the mask says there, so its tokens differ (it warns about right padding itself). Left padding is the
-    layout both compute alike. Malformed input is left to `prepare_generate`'s errors."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] < 2:
+def padding_reason(input_ids: torch.Tensor, attention_mask: Any) -> str | None:
+    """Why a generate() call's padding sends it stock: a row whose attention mask (`pad_and_attention_mask`'s) has
+    a 0 after a 1 (right padding, or masked tokens inside a prompt). The engine runs each row's unmasked tokens as
+    one prompt and continues from its last real token; stock also computes the masked positions and continues from
+    the row's last position, whatever the mask says there, so its tokens differ (it warns about right padding
+    itself). Left padding is the layout both compute alike. Malformed input is left to `prepare_generate`'s
+    errors."""
+    if (input_ids.ndim != 2 or input_ids.shape[1] < 2 or not isinstance(attention_mask, torch.Tensor)
+            or attention_mask.shape != input_ids.shape):
         return None
-    _, mask = pad_and_attention_mask(input_ids, gc, model_kwargs)
-    if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
-        return None
-    kept = mask.bool()
+    kept = attention_mask.bool()
     if bool((kept[:, :-1] & ~kept[:, 1:]).any()):
         return ("right padding, or masked tokens inside a prompt (an attention_mask with a 0 after a 1; "
                 "stock continues from each row's last position, pad or not: use left padding)")

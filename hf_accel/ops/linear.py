@@ -97,6 +97,12 @@ _skinny_linear = None  # hf_accel.ops.skinny_gemm.skinny_linear, imported on fir
 @torch.library.custom_op("hf_accel::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_pdl: bool) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; small-M steps on CUDA may run the tuned Triton GEMM instead (see module doc)."""
+    return run_linear(x, weight, bias, use_pdl)
+
+
+def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_pdl: bool) -> torch.Tensor:
+    """What `hf_accel::linear` runs, for code already inside an op of ours (`ops.norm_linear`): calling the op there
+    would go through the dispatcher a second time, about 56 extra dispatches in an uncaptured prefill step."""
     if kernel_operands(x, weight, bias):
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if m > 0:

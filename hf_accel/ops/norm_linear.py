@@ -7,7 +7,7 @@ or the two addends of the add before it, the norm's weight and epsilon, and the 
 time, with one row and a weight shape whose tuned M = 1 decision is the one-row GEMM kernel, the op is that kernel
 normalizing its own input (`skinny_gemm.norm_linear_fused`): the norm kernel is gone. Everywhere else (more rows,
 another decision, CPU) it runs the add and the norm as one kernel (`fused_kernels.add_rms_norm` on CUDA, torch's ops
-on CPU), as Inductor did, then `hf_accel::linear`.
+on CPU), as Inductor did, then what `hf_accel::linear` runs.
 
 Numerics: each form rounds where the eager LlamaRMSNorm rounds (the sum to the activations' dtype, the normalized row
 to it, then the product with the weight), so the GEMM reads the bits the stock module would give it, up to the order
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from hf_accel.attention.context import split_k_counters
-from hf_accel.ops.linear import kernel_operands, linear, tuned_config
+from hf_accel.ops.linear import kernel_operands, run_linear, tuned_config
 
 # the Triton kernel modules (skinny_gemm, fused_kernels) import triton: they are imported where first used
 
@@ -59,7 +59,7 @@ def _run(x, residual, norm_weight, eps, weight, bias, use_pdl) -> tuple[torch.Te
                                              counters=split_k_counters())
         return y, (h if h is not None else x)
     normed, h = _norm_unfused(x, residual, norm_weight, eps, use_pdl)
-    return linear(normed, weight, bias, use_pdl), h
+    return run_linear(normed, weight, bias, use_pdl), h
 
 
 @torch.library.custom_op("hf_accel::rms_norm_linear", mutates_args=())
