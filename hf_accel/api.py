@@ -617,6 +617,9 @@ def engine_info(model) -> dict[str, Any]:
         "cudagraph_mode": state.extra_info.get("effective_cudagraph_mode", "none"),
         "compile": bool(state.config.compile), "block_size": eng.block_size, "num_kv_blocks": eng.num_kv_blocks,
         "kv_cache_bytes": eng.kv_cache_bytes, "graph_pool_bytes": state.extra_info.get("graph_pool_bytes", 0),
+        # the token counts captured as piecewise graphs (steps holding a prefill chunk, where full graphs serve decode)
+        "piecewise_graph_sizes": (list(eng.runner.dispatcher.piecewise_sizes)
+                                  if getattr(eng.runner, "dispatcher", None) is not None else []),
         "startup": dict(state.startup), "compile_cache": state.extra_info.get("compile_cache"),
         "backend_autotune": state.extra_info.get("backend_autotune"),
         "pdl": bool(getattr(eng, "use_pdl", False)),

@@ -59,14 +59,47 @@ def thinned_capture_sizes(sizes: list[int], pad: float = MIXED_STEP_PAD) -> list
     return kept
 
 
+
+# compute of a step (2 x its tokens x the matmul parameters, in FLOPs) up to which a step with a prefill chunk is
+# worth a piecewise graph above the default sizes: about 10-15 ms of a Hopper GPU's dense bf16 matmuls, where the
+# ~400 Python launches of an uncaptured step of a 28-32-layer model take ~35 ms of host time on the H200 machine
+LARGE_STEP_GRAPH_FLOPS = 8e12
+
+
+def large_piecewise_sizes(above: int, max_tokens: int, flops_per_token: float,
+                          limit: float = LARGE_STEP_GRAPH_FLOPS) -> list[int]:
+    """Piecewise capture sizes above the default ones (`above`, their largest): doubling up to `max_tokens` (the
+    step token budget, always the last size so that a full chunked-prefill step pads nothing), each kept only while
+    a step of that size computes at most `limit` FLOPs.
+
+    Why: a step larger than every captured size runs uncaptured, and for a small model that step is host-bound
+    (W2 on qwen3-0.6b: its 8,192-token prefill step took 35 ms of host launches for 17 ms of kernels); as a graph
+    it takes its GPU time. For a large model the same step is GPU-bound (llama-3.1-8b: ~150 ms of matmuls), so a
+    graph would only hold memory (the pool grows with the largest size: 218 -> 702 MiB for qwen3-0.6b at 8,192).
+    Doubling keeps the count small (4 more sizes from 512 to 8,192) and pads a step at most 2x, which, below the
+    limit, costs less GPU time than the launches it saves."""
+    if max_tokens <= above or flops_per_token <= 0:
+        return []
+    sizes = []
+    size = above * 2
+    while size < max_tokens and size * flops_per_token <= limit:
+        sizes.append(size)
+        size *= 2
+    if size >= max_tokens and max_tokens * flops_per_token <= limit:
+        sizes.append(max_tokens)
+    return sizes
+
+
 @dataclass
 class AccelConfig:
     attention_backend: str = "auto"
     cudagraph_mode: str | CUDAGraphMode | None = None
     cudagraph_capture_sizes: list[int] | None = None
     # token counts captured as piecewise graphs where full graphs serve decode (steps with a prefill chunk); None:
-    # `cudagraph_capture_sizes` when given, else the default sizes thinned to 12.5 % spacing (thinned_capture_sizes).
-    # Where no full graphs run (cudagraph_mode="piecewise", or a backend without them) every capture size is used
+    # `cudagraph_capture_sizes` when given, else the default sizes thinned to 12.5 % spacing (thinned_capture_sizes)
+    # and, for a model small enough that such steps are host-bound, doubling sizes up to max_num_batched_tokens
+    # (large_piecewise_sizes; the engine adds them, knowing the model). Where no full graphs run
+    # (cudagraph_mode="piecewise", or a backend without them) every capture size is used
     piecewise_capture_sizes: list[int] | None = None
     compile: bool | None = None
     enforce_eager: bool = False

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import make_llama
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import hf_accel.compilation.cache as cache_mod
@@ -35,7 +36,7 @@ from hf_accel.compilation.dispatcher import (
     resolve_cudagraph_mode,
 )
 from hf_accel.compilation.piecewise import PiecewiseForward, compile_piecewise, graph_signature
-from hf_accel.config import CUDAGraphMode
+from hf_accel.config import CUDAGraphMode, default_capture_sizes, thinned_capture_sizes
 
 AttentionInterface.register(ATTN_IMPLEMENTATION_NAME, hf_accel_attention_forward)
 
@@ -653,6 +654,55 @@ def test_piecewise_capture_sizes_config():
     kept = chosen.updated(cudagraph_capture_sizes=[1, 2]).resolve_for(cuda)
     assert kept.piecewise_capture_sizes == [8, 64]  # chosen by the user: kept
     assert default.updated(max_num_seqs=4).piecewise_capture_sizes == default.piecewise_capture_sizes
+
+
+
+def test_large_piecewise_sizes_stop_where_a_step_is_gpu_bound():
+    from hf_accel.config import LARGE_STEP_GRAPH_FLOPS, large_piecewise_sizes
+
+    # qwen3-0.6b (0.44 B matmul parameters): every doubling up to the 8,192-token budget, which ends the list
+    assert large_piecewise_sizes(512, 8192, 2 * 0.44e9) == [1024, 2048, 4096, 8192]
+    # a budget that is no power of two is itself the last size (a full chunked-prefill step pads nothing)
+    assert large_piecewise_sizes(512, 6000, 2 * 0.44e9) == [1024, 2048, 4096, 6000]
+    assert large_piecewise_sizes(512, 1500, 2 * 0.44e9) == [1024, 1500]
+    # llama-3.2-1b (0.97 B): its 8,192-token step computes more than the limit; llama-3.1-8b (6.98 B): nothing added
+    assert large_piecewise_sizes(512, 8192, 2 * 0.97e9) == [1024, 2048, 4096]
+    assert large_piecewise_sizes(512, 8192, 2 * 6.98e9) == []
+    for fpt in (1e6, 2 * 0.44e9, 2 * 0.97e9, 3e9, 2 * 6.98e9):
+        assert all(size * fpt <= LARGE_STEP_GRAPH_FLOPS for size in large_piecewise_sizes(512, 8192, fpt))
+    # nothing above a budget the default sizes already cover, or with no parameter count
+    assert large_piecewise_sizes(512, 512, 1e6) == [] and large_piecewise_sizes(512, 300, 1e6) == []
+    assert large_piecewise_sizes(512, 8192, 0) == []
+
+
+def test_engine_adds_large_piecewise_sizes_only_to_derived_ones(monkeypatch):
+    """The engine hands the runner the derived piecewise sizes plus the large ones its model is small enough for;
+    sizes the user gave go through unchanged."""
+    from hf_accel import accelerate_model, restore
+    from hf_accel.config import AccelConfig, large_piecewise_sizes
+    from hf_accel.engine.engine import matmul_parameters
+    from hf_accel.engine.runner import ModelRunner
+
+    seen = []
+
+    def fake_enable_compilation(self, mode, capture_sizes, compile, *args, mixed_capture_sizes=None, **kwargs):
+        seen.append(mixed_capture_sizes)
+        return {"compile_s": 0.0, "capture_s": 0.0, "graph_pool_bytes": 0, "cudagraph_mode": "none"}
+
+    monkeypatch.setattr(ModelRunner, "enable_compilation", fake_enable_compilation)
+    model = make_llama(0)
+    params = matmul_parameters(model)
+    embed = model.get_input_embeddings().weight.numel()
+    assert params == sum(p.numel() for p in model.parameters()) - embed - model.lm_head.weight.numel()
+    accelerate_model(model, compile=True, max_num_batched_tokens=4096)
+    derived = seen[-1]
+    restore(model)
+    assert derived[-1] == 4096 and derived[:26] == thinned_capture_sizes(default_capture_sizes(256))
+    assert derived[26:] == large_piecewise_sizes(512, 4096, 2.0 * params) == [1024, 2048, 4096]
+    accelerate_model(model, compile=True, max_num_batched_tokens=4096,
+                     config=AccelConfig(piecewise_capture_sizes=[8, 64]))
+    restore(model)
+    assert seen[-1] == [8, 64]
 
 
 def test_dispatch_downgrades_once_with_a_reason(caplog):

@@ -167,6 +167,37 @@ def test_backend_mode_matches_stock(shape, backend, mode):
 
 
 @requires_cuda
+def test_large_prefill_step_replays_a_piecewise_graph():
+    """With the default sizes, qwen3-0.6b (small enough that a large step is host-bound) captures piecewise graphs up
+    to the 8,192-token budget (config.large_piecewise_sizes): a ~5,000-token prefill step replays the 8,192 graph,
+    padded, and the output stays stock's."""
+    from hf_accel.api import engine_of
+    from hf_accel.compilation.dispatcher import RuntimeMode
+
+    model = gpu_model("qwen3-0.6b")
+    ids, mask = batch([400 + 7 * i for i in range(12)], seed=3)
+    new = 16
+    ref, ref_scores = reference(model, ids, mask, new)
+    accelerate_model(model)
+    seen = []
+    try:
+        assert engine_info(model)["piecewise_graph_sizes"][-4:] == [1024, 2048, 4096, 8192]
+        dispatcher = engine_of(model).runner.dispatcher
+        dispatch = dispatcher.dispatch
+
+        def recording(num_tokens, uniform_decode):
+            seen.append((num_tokens, dispatch(num_tokens, uniform_decode)))
+            return seen[-1][1]
+        dispatcher.dispatch = recording
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    finally:
+        restore(model)
+    assert [(n, d.num_tokens) for n, d in seen if n > 4096 and d.mode == RuntimeMode.PIECEWISE] == [
+        (int(mask.sum()), 8192)]
+    assert_greedy_matches(ref, got, ref_scores, ids.shape[1])
+
+
+@requires_cuda
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_compile_off_fused_ops_match_stock(shape, backend):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_accel.attention.backend import AttentionBackend, AttentionSpec, KVLayout
-from hf_accel.config import AccelConfig
+from hf_accel.config import AccelConfig, large_piecewise_sizes
 from hf_accel.engine.block_manager import BlockManager
 from hf_accel.engine.kv_cache import allocate_kv_cache, bytes_per_block
 from hf_accel.engine.model_state import prefix_key, take_snapshot
@@ -95,6 +95,23 @@ class EngineStats:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def matmul_parameters(model: torch.nn.Module) -> int:
+    """Parameters a token's forward multiplies by: all but the input embedding and the LM head (which computes
+    logits only for the sampled positions), each tensor counted once (tied weights). A quantized checkpoint's packed
+    weights count their stored elements, so its estimate is low (more large graphs, never wrong output)."""
+    skip = set()
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, get, lambda: None)()
+        if module is not None:
+            skip.update(id(p) for p in module.parameters())
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in skip and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, cfg: AccelConfig, backend_cls: type[AttentionBackend],
                  spec: AttentionSpec, progress=None) -> None:
@@ -151,13 +168,17 @@ class LLMEngine:
         self.backend.use_pdl = self.use_pdl
         self.backend.fused_split_reductions = cfg.fused_split_reductions
         self.backend.decode_kernel = cfg.decode_attention_kernel
+        mixed_sizes = cfg.piecewise_capture_sizes
+        if cfg._piecewise_sizes_derived and mixed_sizes:  # derived, not given: add the large steps worth a graph
+            mixed_sizes = mixed_sizes + large_piecewise_sizes(max(mixed_sizes), self.max_num_batched_tokens,
+                                                              2.0 * matmul_parameters(model))
         if cfg.compile or cfg.cudagraph_mode.value != "none":
             try:
                 self.compile_info = self.runner.enable_compilation(
                     cfg.cudagraph_mode, list(cfg.cudagraph_capture_sizes or []), bool(cfg.compile),
                     cfg.compile_cache_dir, model.config, spec.dtype, pdl=self.use_pdl,
                     small_m_gemm=cfg.small_m_gemm, fold_norms=cfg.fold_norms, progress=progress, tp=self.tp,
-                    reuse_traced_graph=cfg.reuse_traced_graph, mixed_capture_sizes=cfg.piecewise_capture_sizes)
+                    reuse_traced_graph=cfg.reuse_traced_graph, mixed_capture_sizes=mixed_sizes)
             except BaseException:
                 self.kv_caches.clear()  # give the cache's memory back even while the traceback lives on
                 if self.device.type == "cuda":
