@@ -68,9 +68,10 @@ LARGE_STEP_GRAPH_FLOPS = 8e12
 
 def large_piecewise_sizes(above: int, max_tokens: int, flops_per_token: float,
                           limit: float = LARGE_STEP_GRAPH_FLOPS) -> list[int]:
-    """Piecewise capture sizes above the default ones (`above`, their largest): doubling up to `max_tokens` (the
-    step token budget, always the last size so that a full chunked-prefill step pads nothing), each kept only while
-    a step of that size computes at most `limit` FLOPs.
+    """Piecewise capture sizes above the derived ones (`above`, their largest: 512 with the default max_num_seqs, 2 x
+    max_num_seqs below that): doubling up to `max_tokens` (the step token budget, always the last size so that a
+    full chunked-prefill step pads nothing; a doubling within 12.5 % below it is replaced by it), each kept only
+    while a step of that size computes at most `limit` FLOPs.
 
     Why: a step larger than every captured size runs uncaptured, and for a small model that step is host-bound
     (W2 on qwen3-0.6b: its 8,192-token prefill step took 35 ms of host launches for 17 ms of kernels); as a graph
@@ -86,6 +87,8 @@ def large_piecewise_sizes(above: int, max_tokens: int, flops_per_token: float,
         sizes.append(size)
         size *= 2
     if size >= max_tokens and max_tokens * flops_per_token <= limit:
+        if sizes and max_tokens <= sizes[-1] * (1.0 + MIXED_STEP_PAD):
+            sizes.pop()  # e.g. 1024 and a budget of 1025: one size, the budget, instead of two captures
         sizes.append(max_tokens)
     return sizes
 
@@ -167,6 +170,9 @@ class AccelConfig:
         if (self._piecewise_sizes_derived and "cudagraph_capture_sizes" in overrides
                 and "piecewise_capture_sizes" not in overrides):
             overrides = {**overrides, "piecewise_capture_sizes": None, "_piecewise_sizes_derived": False}
+        elif "piecewise_capture_sizes" in overrides and "_piecewise_sizes_derived" not in overrides:
+            # sizes given now are the caller's (None derives them again at resolve_for): captured as given
+            overrides = {**overrides, "_piecewise_sizes_derived": False}
         return replace(self, **overrides)
 
     def validate(self) -> None:

@@ -665,6 +665,10 @@ def test_large_piecewise_sizes_stop_where_a_step_is_gpu_bound():
     # a budget that is no power of two is itself the last size (a full chunked-prefill step pads nothing)
     assert large_piecewise_sizes(512, 6000, 2 * 0.44e9) == [1024, 2048, 4096, 6000]
     assert large_piecewise_sizes(512, 1500, 2 * 0.44e9) == [1024, 1500]
+    # a budget within 12.5 % above a doubling replaces it: one capture, not two nearly equal ones
+    assert large_piecewise_sizes(512, 1025, 2 * 0.44e9) == [1025]
+    assert large_piecewise_sizes(512, 4500, 2 * 0.44e9) == [1024, 2048, 4500]
+    assert large_piecewise_sizes(512, 4700, 2 * 0.44e9) == [1024, 2048, 4096, 4700]
     # llama-3.2-1b (0.97 B): its 8,192-token step computes more than the limit; llama-3.1-8b (6.98 B): nothing added
     assert large_piecewise_sizes(512, 8192, 2 * 0.97e9) == [1024, 2048, 4096]
     assert large_piecewise_sizes(512, 8192, 2 * 6.98e9) == []
@@ -676,8 +680,9 @@ def test_large_piecewise_sizes_stop_where_a_step_is_gpu_bound():
 
 
 def test_engine_adds_large_piecewise_sizes_only_to_derived_ones(monkeypatch):
-    """The engine hands the runner the derived piecewise sizes plus the large ones its model is small enough for;
-    sizes the user gave go through unchanged."""
+    """The engine hands the runner the derived piecewise sizes plus the large ones its model is small enough for,
+    in full_and_piecewise mode only (the one mode where these sizes are used); sizes the user gave, at construction
+    or through updated(), go through unchanged. CPU: the mode is forced and the compilation faked."""
     from hf_accel import accelerate_model, restore
     from hf_accel.config import AccelConfig, large_piecewise_sizes
     from hf_accel.engine.engine import matmul_parameters
@@ -689,20 +694,57 @@ def test_engine_adds_large_piecewise_sizes_only_to_derived_ones(monkeypatch):
         seen.append(mixed_capture_sizes)
         return {"compile_s": 0.0, "capture_s": 0.0, "graph_pool_bytes": 0, "cudagraph_mode": "none"}
 
+    resolve_for = AccelConfig.resolve_for
+
+    def as_on_cuda(self, device):  # what resolve_for gives on a GPU: graphs on unless asked otherwise
+        cfg = resolve_for(self, device)
+        if self.cudagraph_mode in (None, CUDAGraphMode.FULL_AND_PIECEWISE) and not self.enforce_eager:
+            cfg.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        return cfg
+
     monkeypatch.setattr(ModelRunner, "enable_compilation", fake_enable_compilation)
+    monkeypatch.setattr(AccelConfig, "resolve_for", as_on_cuda)
     model = make_llama(0)
     params = matmul_parameters(model)
     embed = model.get_input_embeddings().weight.numel()
     assert params == sum(p.numel() for p in model.parameters()) - embed - model.lm_head.weight.numel()
-    accelerate_model(model, compile=True, max_num_batched_tokens=4096)
-    derived = seen[-1]
-    restore(model)
-    assert derived[-1] == 4096 and derived[:26] == thinned_capture_sizes(default_capture_sizes(256))
+
+    def sizes_for(**kwargs):
+        seen.clear()
+        accelerate_model(model, compile=True, **kwargs)
+        restore(model)
+        return seen[-1] if seen else "not compiled"
+
+    derived = sizes_for(max_num_batched_tokens=4096)
+    assert derived[:26] == thinned_capture_sizes(default_capture_sizes(256))
     assert derived[26:] == large_piecewise_sizes(512, 4096, 2.0 * params) == [1024, 2048, 4096]
-    accelerate_model(model, compile=True, max_num_batched_tokens=4096,
-                     config=AccelConfig(piecewise_capture_sizes=[8, 64]))
-    restore(model)
-    assert seen[-1] == [8, 64]
+    # a small max_num_seqs: the derived sizes end at 2 x max_num_seqs and the doubling starts there
+    assert sizes_for(max_num_seqs=4, max_num_batched_tokens=100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    # given sizes are kept as given, also when set on a config resolved before (its sizes were derived)
+    assert sizes_for(max_num_batched_tokens=4096, config=AccelConfig(piecewise_capture_sizes=[8, 64])) == [8, 64]
+    resolved = AccelConfig().resolve_for(torch.device("cpu"))
+    assert resolved._piecewise_sizes_derived and resolved.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert sizes_for(max_num_batched_tokens=4096, config=resolved) == derived
+    assert sizes_for(max_num_batched_tokens=4096, config=resolved.updated(piecewise_capture_sizes=[16])) == [16]
+    # other modes do not use these sizes: nothing added (the runner gets the derived list, or is not called)
+    assert sizes_for(max_num_batched_tokens=4096, cudagraph_mode="piecewise") == derived[:26]
+    assert sizes_for(max_num_batched_tokens=4096, enforce_eager=True) == "not compiled"
+
+
+def test_matmul_parameters_of_a_model_without_embedding_accessors(monkeypatch):
+    """A model whose get_input_embeddings raises (transformers' default for an unusual layout) still accelerates:
+    its embedding counts as a matmul weight (a high estimate: fewer large graphs)."""
+    from hf_accel.engine.engine import matmul_parameters
+
+    model = make_llama(0)
+
+    def unknown(self):
+        raise NotImplementedError
+
+    monkeypatch.setattr(type(model), "get_input_embeddings", unknown)
+    monkeypatch.setattr(type(model), "get_output_embeddings", lambda self: None)
+    assert matmul_parameters(model) == sum(p.numel() for p in model.parameters())
+
 
 
 def test_dispatch_downgrades_once_with_a_reason(caplog):

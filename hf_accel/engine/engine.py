@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_accel.attention.backend import AttentionBackend, AttentionSpec, KVLayout
-from hf_accel.config import AccelConfig, large_piecewise_sizes
+from hf_accel.config import AccelConfig, CUDAGraphMode, large_piecewise_sizes
 from hf_accel.engine.block_manager import BlockManager
 from hf_accel.engine.kv_cache import allocate_kv_cache, bytes_per_block
 from hf_accel.engine.model_state import prefix_key, take_snapshot
@@ -96,13 +96,17 @@ class EngineStats:
 
 
 def matmul_parameters(model: torch.nn.Module) -> int:
-    """Parameters a token's forward multiplies by: all but the input embedding and the LM head (which computes
-    logits only for the sampled positions), each tensor counted once (tied weights). A quantized checkpoint's packed
-    weights count their stored elements, so its estimate is low (more large graphs, never wrong output)."""
+    """About the parameters a token's forward multiplies by: all but the input embedding and the LM head (which
+    computes logits only for the sampled positions), each tensor counted once (tied weights). An estimate: a
+    mixture-of-experts model counts every expert (fewer large graphs than its active share would give), a quantized
+    checkpoint's packed weights their stored elements (more). Either way only which steps get graphs changes."""
     skip = set()
     for get in ("get_input_embeddings", "get_output_embeddings"):
-        module = getattr(model, get, lambda: None)()
-        if module is not None:
+        try:
+            module = getattr(model, get)()
+        except (AttributeError, NotImplementedError):  # an unusual layout: count those weights too (fewer graphs)
+            module = None
+        if isinstance(module, torch.nn.Module):
             skip.update(id(p) for p in module.parameters())
     seen, total = set(), 0
     for p in model.parameters():
@@ -169,7 +173,9 @@ class LLMEngine:
         self.backend.fused_split_reductions = cfg.fused_split_reductions
         self.backend.decode_kernel = cfg.decode_attention_kernel
         mixed_sizes = cfg.piecewise_capture_sizes
-        if cfg._piecewise_sizes_derived and mixed_sizes:  # derived, not given: add the large steps worth a graph
+        if (cfg._piecewise_sizes_derived and mixed_sizes and cfg.compile
+                and CUDAGraphMode(cfg.cudagraph_mode) == CUDAGraphMode.FULL_AND_PIECEWISE):
+            # derived, not given, and used (beside full decode graphs): add the large steps worth a graph
             mixed_sizes = mixed_sizes + large_piecewise_sizes(max(mixed_sizes), self.max_num_batched_tokens,
                                                               2.0 * matmul_parameters(model))
         if cfg.compile or cfg.cudagraph_mode.value != "none":
