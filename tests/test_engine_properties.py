@@ -66,6 +66,10 @@ def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Request]) ->
             holders.setdefault(b, []).append((req, i))
         if req.status == RequestStatus.WAITING:
             assert req.block_ids == [], f"waiting request {req.request_id} still holds blocks {req.block_ids}"
+        chain = None  # its hash chain is the one of its own tokens, block by block (whoever computed which link)
+        for i, h in enumerate(req.block_hashes):
+            chain = hash_block(chain, req.all_token_ids[i * bm.block_size : (i + 1) * bm.block_size])
+            assert h == chain, f"request {req.request_id}: block {i}'s hash is not its tokens' chain"
     assert 0 not in bm.free and bm.ref_counts[0] == 0, "the null block entered circulation"
     for b in range(1, bm.num_blocks):
         count = bm.ref_counts[b]

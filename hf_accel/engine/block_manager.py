@@ -85,7 +85,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         hits = []
-        for h in self._prompt_hashes(req):  # look up first (the hashing is the slow part), then take the blocks
+        req.admitted_block_hashes = hashes = self._prompt_hashes(req)  # commit() reuses them
+        for h in hashes:  # look up first (the hashing is the slow part), then take the blocks
             block = self.cached.get(h)
             if block is None:
                 break
@@ -106,11 +107,14 @@ class BlockManager:
         # only blocks whose token values the host knows (a pending token is hashed once it is read back)
         known = min(req.num_computed_tokens, req.num_known_tokens)
         num_full = min(known // self.block_size, len(req.block_ids))
+        admitted = req.admitted_block_hashes  # the same chain over the blocks full at admission: hashed then
         while len(req.block_hashes) < num_full:
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            tokens = [req.token_at(j) for j in range(i * self.block_size, (i + 1) * self.block_size)]
-            h = hash_block(parent, tokens)
+            if i < len(admitted):
+                h = admitted[i]
+            else:
+                parent = req.block_hashes[-1] if req.block_hashes else None
+                h = hash_block(parent, req.known_token_ids(i * self.block_size, (i + 1) * self.block_size))
             block = req.block_ids[i]
             if h not in self.cached and self.block_hash[block] is None:
                 # the block's own hash first: interrupted before the cache entry, the prefix is merely not found;

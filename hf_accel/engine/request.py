@@ -56,6 +56,9 @@ class Request:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at the last admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
+    # the same chain over the full blocks its tokens filled at its last admission: admission hashes them to look up
+    # cached prefixes, and registering the blocks once computed (BlockManager.commit) reuses them
+    admitted_block_hashes: list[bytes] = field(default_factory=list, repr=False)
     num_preemptions: int = 0
     # tokens sampled on the device whose values the host has not read yet (asynchronous scheduling): they count in
     # num_tokens, so the scheduler can plan the step that consumes them; the runner feeds them from the device
@@ -94,6 +97,15 @@ class Request:
             return self.prompt_token_ids[i]
         i -= n
         return self.output_token_ids[i] if i < len(self.output_token_ids) else PENDING_TOKEN
+
+    def known_token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end), all of them known to the host (none pending)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def is_async_safe(self) -> bool:
