@@ -59,7 +59,6 @@ def thinned_capture_sizes(sizes: list[int], pad: float = MIXED_STEP_PAD) -> list
     return kept
 
 
-
 # compute of a step (2 x its tokens x the matmul parameters, in FLOPs) up to which a step with a prefill chunk is
 # worth a piecewise graph above the default sizes: about 10-15 ms of a Hopper GPU's dense bf16 matmuls, where the
 # ~400 Python launches of an uncaptured step of a 28-32-layer model take ~35 ms of host time on the H200 machine

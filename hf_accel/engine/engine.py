@@ -174,7 +174,7 @@ class LLMEngine:
         self.backend.decode_kernel = cfg.decode_attention_kernel
         mixed_sizes = cfg.piecewise_capture_sizes
         if (cfg._piecewise_sizes_derived and mixed_sizes and cfg.compile
-                and CUDAGraphMode(cfg.cudagraph_mode) == CUDAGraphMode.FULL_AND_PIECEWISE):
+                and cfg.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE):  # resolved: an enum member
             # derived, not given, and used (beside full decode graphs): add the large steps worth a graph
             mixed_sizes = mixed_sizes + large_piecewise_sizes(max(mixed_sizes), self.max_num_batched_tokens,
                                                               2.0 * matmul_parameters(model))
