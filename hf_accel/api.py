@@ -634,6 +634,10 @@ def engine_info(model) -> dict[str, Any]:
         # RMSNorms (with their residual adds) the compiled forward runs inside the linear after them (norm_folding)
         "folded_norms": (eng.runner.piecewise.stats.folded_norms
                          if getattr(eng.runner, "piecewise", None) is not None else 0),
+        # gated MLPs whose gate/up linear runs with its SiLU-and-mul as one op (gated_activation), and the decisions
+        "gated_linears": (len(eng.runner.piecewise.stats.gated_linears)
+                          if getattr(eng.runner, "piecewise", None) is not None else 0),
+        "gated_gemm": eng.compile_info.get("gated_gemm"),
         # the compiled pieces round as eager PyTorch does (a model that quantizes activations; patches/quantization)
         "eager_precision_casts": bool(eng.compile_info.get("eager_precision_casts")),
         # what was turned off at startup and why (e.g. a quantized module that a CUDA graph cannot capture)

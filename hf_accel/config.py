@@ -148,6 +148,11 @@ class AccelConfig:
     # the norm as one kernel of ours. Both round as the eager module does (Inductor's kernel keeps the normalized row
     # in float32 before the weight). False: the norm and the add stay in Inductor's kernels, as before (the A/B)
     fold_norms: bool = True
+    # with small_m_gemm: a gated SiLU MLP's packed gate/up linear and the `silu(gate) * up` after it are one op
+    # (compilation/gated_activation.py); for row counts where warm-up timed it faster, the small-M GEMM applies the
+    # gate in its epilogue and the activation's kernel is gone (one per layer); elsewhere the op runs the linear and
+    # one SiLU-and-mul kernel of ours, rounding as the stock MLP does. False: the activation stays Inductor's (the A/B)
+    gated_gemm: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

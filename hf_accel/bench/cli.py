@@ -212,6 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--fold-norms", action=argparse.BooleanOptionalAction, default=None,
                    help="RMSNorms (and the residual add before them) run inside the one-row GEMM after them at "
                         "batch 1 (default: on); --no-fold-norms keeps Inductor's norm kernels")
+    a.add_argument("--gated-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="a gated MLP's SiLU-and-mul runs in its gate/up GEMM's epilogue where warm-up timed it "
+                        "faster (default: on); --no-gated-gemm keeps Inductor's activation kernel")
     a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="read the traced forward back from the compile cache (default: on); "
                         "--no-reuse-traced-graph traces every start")

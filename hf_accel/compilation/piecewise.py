@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import hf_accel.attention.op  # noqa: F401  (registers torch.ops.hf_accel.attention)
 from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, capture_with_warmups, weak_ref_tree
+from hf_accel.compilation.gated_activation import fuse_silu_mul_into_linears
 from hf_accel.compilation.linear_packing import merge_packed_linears
 from hf_accel.compilation.norm_folding import fold_norms_into_linears
 from hf_accel.compilation.small_m_linear import route_int8_weight_only_linears, route_small_m_linears
@@ -65,6 +66,8 @@ class CompileStats:
     # (n, k, bias) of each torchao int8 weight-only linear run through hf_accel::int8_weight_linear
     int8_weight_linears: list[tuple[int, int, bool]] = field(default_factory=list)
     folded_norms: int = 0  # RMSNorms (with their residual adds) run inside the linear after them (norm_folding)
+    # (n, k, bias) of each gate/up linear that runs with the SiLU-and-mul after it as one op (gated_activation)
+    gated_linears: list[tuple[int, int, bool]] = field(default_factory=list)
     trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend), or reading the stored trace
     # where the traced graph came from: "dynamo", "stored" (compilation/trace_cache.py) or "" before compile()
     trace_source: str = ""
@@ -296,10 +299,12 @@ class PiecewiseForward:
                  other_dynamic_dims: Sequence[tuple[int, int]] = ((2, 0),),
                  bypass_dynamo: bool = True, merge_linears: bool = True, route_linears: bool = False,
                  pdl: bool = False, eager_casts: bool = False, trace_cache: TraceCache | None = None,
-                 fold_norms: bool = False) -> None:
+                 fold_norms: bool = False, gated_gemm: bool = False) -> None:
         """`route_linears`: linears go through `hf_accel::linear` (small-M GEMM where tuned; compile pass
         `small_m_linear`). `fold_norms` (with `route_linears`): RMSNorms feeding one routed linear go into it
-        (compile pass `norm_folding`). `pdl`: Inductor's kernels are generated with programmatic dependent launch
+        (compile pass `norm_folding`). `gated_gemm` (with `route_linears`): a gate/up linear and the SiLU-and-mul
+        after it become one op (compile pass `gated_activation`).
+        `pdl`: Inductor's kernels are generated with programmatic dependent launch
         (sm90+).
         `eager_casts`: Inductor rounds intermediates as eager does (`inductor_settings`). `trace_cache`: where the
         traced graph is stored and found again (a later start skips Dynamo; compilation/trace_cache.py)."""
@@ -318,6 +323,7 @@ class PiecewiseForward:
         self.merge_linears = merge_linears
         self.route_linears = route_linears
         self.fold_norms = fold_norms
+        self.gated_gemm = gated_gemm
         self.pdl = pdl
         self.eager_casts = eager_casts
         self.trace_cache = trace_cache
@@ -478,6 +484,8 @@ class PiecewiseForward:
             self.stats.routed_linears = route_small_m_linears(gm, self.pdl)
             if self.fold_norms:
                 self.stats.folded_norms = fold_norms_into_linears(gm)
+            if self.gated_gemm:
+                self.stats.gated_linears = fuse_silu_mul_into_linears(gm)
         self.stats.int8_weight_linears = route_int8_weight_only_linears(gm, self.pdl)
         split_gm = self._build(gm, example_inputs)
         self.stats.compile_seconds = time.perf_counter() - t0

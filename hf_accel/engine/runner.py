@@ -338,36 +338,43 @@ class ModelRunner:
         """Tile decisions for the small-M GEMMs the compile routed: bf16 / fp16 linears (`small_m_gemm`: ours or
         cuBLAS) and torchao int8 weight-only ones (`int8_gemm`: tuned tiles or the tile rule). A tuning failure
         warns and keeps the baseline: it is an optimisation."""
-        from hf_accel.ops.linear import decisions_for, int8_key_dtype, tune_linears
+        from hf_accel.ops.linear import decisions_for, gated_key_dtype, int8_key_dtype, tune_linears
 
         stats = self.piecewise.stats
-        for name, shapes, int8 in (("small_m_gemm", stats.routed_linears, False),
-                                   ("int8_gemm", stats.int8_weight_linears, True)):
+        # the gated shapes after the plain ones: their baseline is the plain linear's decision
+        for name, shapes, kind in (("small_m_gemm", stats.routed_linears, "plain"),
+                                   ("gated_gemm", stats.gated_linears, "gated"),
+                                   ("int8_gemm", stats.int8_weight_linears, "int8")):
             if not shapes:
                 continue
-            what = "int8 weight shapes" if int8 else "weight shapes"
-            phase(f"tune {'int8' if int8 else 'small-M'} GEMMs", f"{len(set(shapes))} {what}; remembered in the "
-                  "compile cache")
+            int8, gated = kind == "int8", kind == "gated"
+            what = {"plain": "weight shapes", "gated": "gate/up weight shapes", "int8": "int8 weight shapes"}[kind]
+            phase(f"tune {'small-M' if kind == 'plain' else kind} GEMMs", f"{len(set(shapes))} {what}; remembered "
+                  "in the compile cache")
             try:
-                report = tune_linears(shapes, dtype, self.device, use_pdl=pdl, int8=int8,
+                report = tune_linears(shapes, dtype, self.device, use_pdl=pdl, int8=int8, gated=gated,
                                       cache_dir=cache_path)
-                report["decisions"] = decisions_for(shapes, self.device, int8_key_dtype(dtype) if int8 else dtype)
+                report["decisions"] = decisions_for(shapes, self.device, int8_key_dtype(dtype) if int8
+                                                    else gated_key_dtype(dtype) if gated else dtype)
             except Exception as exc:
                 logger.warning("hf_accel: tuning the %s failed (%s: %s); %s run", what, type(exc).__name__, exc,
-                               "the default int8 tiles" if int8 else "cuBLAS GEMMs")
+                               "the default int8 tiles" if int8 else "the linear and SiLU-and-mul kernels" if gated
+                               else "cuBLAS GEMMs")
                 report = {"error": f"{type(exc).__name__}: {exc}"[:300], "seconds": 0.0}
             info[name] = report
             info[f"{name}_s"] = report["seconds"]
 
     def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
                            model_config, dtype: torch.dtype, *, pdl: bool = False,
-                           small_m_gemm: bool = False, fold_norms: bool = False, progress=None, tp=None,
+                           small_m_gemm: bool = False, fold_norms: bool = False, gated_gemm: bool = False,
+                           progress=None, tp=None,
                            reuse_traced_graph: bool = False, mixed_capture_sizes: list[int] | None = None) -> dict:
         """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings.
 
         `pdl`: Inductor's kernels use programmatic dependent launch. `small_m_gemm`: linears go through
         `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket;
-        `fold_norms`: the RMSNorms before them go into them (compilation/norm_folding.py).
+        `fold_norms`: the RMSNorms before them go into them (compilation/norm_folding.py). `gated_gemm`: a gate/up
+        linear and its SiLU-and-mul are one op, tuned here too (compilation/gated_activation.py).
         `progress`: a `hf_accel.progress.StartupProgress` told when each phase starts. `tp`: the tensor-parallel
         group (engine/tensor_parallel.py); a compile failure on one of its ranks ends the job instead of falling
         back on that rank alone. `reuse_traced_graph`: Dynamo's trace is stored in the compile cache and a later
@@ -419,7 +426,7 @@ class ModelRunner:
                                                use_cudagraph=on_cuda and bool(self.dispatcher.piecewise_sizes),
                                                graph_pool=pool, route_linears=small_m_gemm and on_cuda, pdl=pdl,
                                                eager_casts=eager_casts, trace_cache=trace_cache,
-                                               fold_norms=fold_norms)
+                                               fold_norms=fold_norms, gated_gemm=gated_gemm)
             meta = self.upload(self.dummy_inputs([15, 1]))
             self.backend.prepare(meta)
             try:

@@ -84,13 +84,17 @@ def _norm_input(x_row, r_row, h_row, cols, mask, HAS_ADD: tl.constexpr):
 @triton.jit
 def _silu_and_mul_kernel(
     gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_out,
-    COLS: tl.constexpr, BLOCK: tl.constexpr,
+    COLS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < COLS
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # nn.SiLU: computed in fp32, rounded to the gate's dtype; then `* up`: one fp32 product, rounded once
     s = (g / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
@@ -149,11 +153,12 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     return out, h
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, use_pdl: bool = False) -> torch.Tensor:
     """`silu(gate) * up` for `gate`/`up` `[..., I]` with nn.SiLU's and the product's rounding points.
 
     `gate` and `up` may be column slices of one wider tensor (row stride != I); their last dim must be the columns.
-    The result is a new contiguous tensor in the promoted dtype of the two.
+    The result is a new contiguous tensor in the promoted dtype of the two. `use_pdl`: launched with programmatic
+    dependent launch (it waits for its predecessor before its loads).
     """
     assert gate.shape == up.shape, f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ"
     assert gate.device == up.device
@@ -167,7 +172,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     grid = (g2.shape[0], triton.cdiv(cols, block))
     launcher(_silu_and_mul_kernel, grid, writes=(out,))(
         g2, u2, out2, g2.stride(0), u2.stride(0), out2.stride(0),
-        COLS=cols, BLOCK=block, num_warps=4,
+        COLS=cols, BLOCK=block, USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
     )
     return out
 

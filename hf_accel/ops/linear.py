@@ -83,7 +83,7 @@ def _stored_key(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int
     """The on-disk key: the GPU by name (the cache directory may move between machines), the tuning version."""
     name = torch.cuda.get_device_name(device_index(device))
     # only a key whose candidates depend on the switch says which set was timed
-    rows1 = f"|rows1={int(ONE_ROW_GEMM)}" if _one_row_bucket(bucket, isinstance(dtype, tuple)) else ""
+    rows1 = f"|rows1={int(ONE_ROW_GEMM)}" if _one_row_bucket(bucket, is_int8_key(dtype)) else ""
     # under PDL each trigger form keeps decisions of its own; "late" (the form before it had a name) and keys without
     # PDL, where the trigger compiles to nothing, keep the plain key
     form = gemm_pdl_form()
@@ -151,7 +151,7 @@ def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device,
             if key in _decisions:
                 cfg = _decisions[key]
                 out[f"{n}x{k}{'+b' if has_bias else ''}@m{b}"] = (
-                    asdict(cfg) if cfg is not None else "tile rule" if isinstance(dtype, tuple) else "cublas")
+                    asdict(cfg) if cfg is not None else _baseline_name(dtype))
     return out
 
 
@@ -187,6 +187,25 @@ def int8_key_dtype(dtype: torch.dtype) -> tuple:
     return (torch.int8, dtype)
 
 
+def gated_key_dtype(dtype: torch.dtype) -> tuple:
+    """The dtype slot of a decision key for a gated MLP's gate/up linear with the SiLU gate in its epilogue
+    (`ops.gated_linear`): the same weight shape as the plain linear, decided apart from it."""
+    return ("silu_mul", dtype)
+
+
+def is_int8_key(dtype: torch.dtype | tuple) -> bool:
+    return isinstance(dtype, tuple) and dtype[0] is torch.int8
+
+
+def is_gated_key(dtype: torch.dtype | tuple) -> bool:
+    return isinstance(dtype, tuple) and dtype[0] == "silu_mul"
+
+
+def _baseline_name(dtype: torch.dtype | tuple) -> str:
+    """What a decision of None runs, by key kind (reports)."""
+    return "tile rule" if is_int8_key(dtype) else "linear + silu_mul" if is_gated_key(dtype) else "cublas"
+
+
 def time_in_graph(fn, reps: int = 16, samples: int = 5) -> float:
     """Median seconds per call of `fn`, `reps` calls captured in one CUDA graph (launch overhead excluded).
 
@@ -216,10 +235,12 @@ def time_in_graph(fn, reps: int = 16, samples: int = 5) -> float:
 
 
 def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, device: torch.device,
-              use_pdl: bool, scratch_bytes: int, int8: bool = False):
+              use_pdl: bool, scratch_bytes: int, int8: bool = False, gated: bool = False):
     """Time the baseline and the candidates for one weight shape at M = bucket; the winner's config, or None (the
     baseline). bf16 / fp16 weights: the baseline is cuBLAS. int8 weights (`int8`, one scale per row): the baseline is
-    `quantized_linear.default_config`'s tile rule, since no cuBLAS path reads int8 weights with bf16 activations."""
+    `quantized_linear.default_config`'s tile rule, since no cuBLAS path reads int8 weights with bf16 activations.
+    `gated` (a gate/up weight, `n` its rows): the candidates apply the SiLU gate in their epilogue, the baseline is
+    what `ops.gated_linear` runs without a decision: the plain linear's decision, then the SiLU-and-mul kernel."""
     from hf_accel.ops.skinny_gemm import skinny_linear
 
     wdtype = torch.int8 if int8 else dtype
@@ -236,10 +257,13 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     # split-K candidates reduce in the same launch, as in an engine step (whose runner holds such counters): one
     # counter per column tile of the narrowest candidate (fewer would time the reduce kernel instead)
     candidates = _candidates_for(bucket, k, int8)
-    counters = torch.zeros(-(-n // min(c.block_n for c in candidates)), dtype=torch.int32, device=device)
-    rows = min(n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
+    out_n = n // 2 if gated else n
+    counters = torch.zeros(-(-out_n // min(c.block_n for c in candidates)), dtype=torch.int32, device=device)
+    rows = min(out_n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
     w_ref = weights[0][:rows].float() * (scale[:rows, None].float() if int8 else 1.0)
     ref = F.linear(x.float(), w_ref, bias[:rows].float() if bias is not None else None)
+    if gated:  # silu(gate) * up over the first gate rows and their up rows
+        ref = F.silu(ref) * F.linear(x.float(), weights[0][out_n:out_n + rows].float())
     tol = 0.05 * ref.abs().max().item() + 1e-3
 
     def cycling(call):
@@ -256,19 +280,30 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
 
         base = default_config(bucket, n, k, device)
         baseline = cycling(lambda w: skinny_linear(x, w, bias, base, use_pdl, scale=scale, counters=counters))
+    elif gated:
+        from hf_accel.ops.fused_kernels import silu_and_mul
+
+        plain = _decisions.get(_key(device, dtype, n, k, False, bucket))  # tuned before the gated shapes
+
+        def gate_after(w: torch.Tensor) -> torch.Tensor:
+            y = (skinny_linear(x, w, None, plain, use_pdl, counters=counters) if plain is not None
+                 else F.linear(x, w))
+            return silu_and_mul(y[:, :out_n], y[:, out_n:], use_pdl)
+        baseline = cycling(gate_after)
     else:
         baseline = cycling(lambda w: F.linear(x, w, bias))
     best_cfg, best_t = None, time_in_graph(baseline)
     base_t = best_t
     for cfg in candidates:
         try:
-            out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale, counters=counters)[:, :rows].float()
+            out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale, counters=counters,
+                                gated=gated)[:, :rows].float()
             err = (out - ref).abs().max().item()
             if not err <= tol:  # a broken config must never win (NaN included)
                 logger.warning("hf_accel: small-M GEMM config %s gave error %.3g on %dx%d; skipped", cfg, err, n, k)
                 continue
             t = time_in_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl, scale=scale,
-                                                                     counters=counters)))
+                                                                     counters=counters, gated=gated)))
         except Exception as exc:  # a config that does not compile on this GPU / triton
             logger.debug("small-M GEMM config %s failed: %s", cfg, exc)
             continue
@@ -285,7 +320,7 @@ def _candidates_for(bucket: int, k: int, int8: bool) -> list:
 
 
 def build_candidates(todo: Iterable[tuple[int, int, bool, int]], dtype: torch.dtype, use_pdl: bool, int8: bool,
-                     device: torch.device) -> dict:
+                     device: torch.device, gated: bool = False) -> dict:
     """Compile every kernel `_tune_one` will time for these (n, k, has_bias, bucket), side by side in a thread pool
     (`ops.triton_build`): at a fresh start the builds, not the timings, are most of the tuning. A report."""
     from hf_accel.ops.quantized_linear import default_config
@@ -300,20 +335,25 @@ def build_candidates(todo: Iterable[tuple[int, int, bool, int]], dtype: torch.dt
             baseline = [default_config(bucket, n, k, device)] if int8 else []
             for cfg in _candidates_for(bucket, k, int8) + baseline:
                 warmups.append(lambda n=n, k=k, b=has_bias, m=bucket, c=cfg: build_skinny_linear(
-                    m, n, k, dtype, wdtype, b, int8, c, use_pdl))
+                    m, n, k, dtype, wdtype, b, int8, c, use_pdl, gated=gated))
         return build_in_parallel(warmups)
 
 
 def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, device: torch.device, *,
                  use_pdl: bool, cache_dir: str | os.PathLike | None = None,
-                 scratch_bytes: int = 128 << 20, int8: bool = False) -> dict:
+                 scratch_bytes: int = 128 << 20, int8: bool = False, gated: bool = False) -> dict:
     """Decide cuBLAS vs small-M GEMM for each weight shape and M bucket (see the module docstring); returns a report.
 
     `cache_dir`: where decisions are remembered across processes (the compile cache directory); None: memory only.
     `int8`: the shapes are int8 weights with `dtype` activations (torchao int8 weight-only, `quantized_linear`):
     the small-M GEMM's tile rule against the candidates, decisions under `int8_key_dtype(dtype)`.
+    `gated`: the shapes are gated MLPs' gate/up weights (`ops.gated_linear`): the gated kernel against the plain
+    linear's decision (tune the plain shapes first) and the SiLU-and-mul kernel, decisions under
+    `gated_key_dtype(dtype)`.
     """
-    key_dtype = int8_key_dtype(dtype) if int8 else dtype
+    if int8 and gated:
+        raise ValueError("tune_linears: int8 weights have no gated form")
+    key_dtype = int8_key_dtype(dtype) if int8 else gated_key_dtype(dtype) if gated else dtype
     t0 = time.perf_counter()
     shapes = sorted(set(shapes))
     path = Path(cache_dir) / TUNE_FILE if cache_dir else None
@@ -326,7 +366,7 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
     from hf_accel.ops.skinny_gemm import SkinnyConfig
 
     tuned = 0
-    baseline = "tile rule" if int8 else "cublas"
+    baseline = _baseline_name(key_dtype)
     report: dict = {"tuned": 0, "from_cache": 0, "ours": 0, baseline: 0}
     try:
         with _lock:
@@ -347,16 +387,18 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
                         continue
                     report["ours" if cfg is not None else baseline] += 1
             if pending:
-                report["build"] = build_candidates(pending, dtype, use_pdl, int8, device)
+                report["build"] = build_candidates(pending, dtype, use_pdl, int8, device, gated)
             for n, k, has_bias, bucket in pending:
-                cfg, base_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes, int8)
+                cfg, base_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes, int8,
+                                                gated)
                 stored[_stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl)] = (
                     asdict(cfg) if cfg is not None else None)
                 _decisions[_key(device, key_dtype, n, k, has_bias, bucket)] = cfg
                 tuned += 1
                 report["ours" if cfg is not None else baseline] += 1
                 logger.debug("small-M GEMM %dx%d%s m<=%d: %s %.2f us, best %.2f us -> %s", n, k,
-                             " int8" if int8 else "", bucket, baseline, base_t * 1e6, best_t * 1e6, cfg or baseline)
+                             " int8" if int8 else " gated" if gated else "", bucket, baseline, base_t * 1e6,
+                             best_t * 1e6, cfg or baseline)
     finally:  # what was decided is kept even when a later shape fails, and the scratch memory goes back
         report["tuned"] = tuned
         if tuned and path is not None:

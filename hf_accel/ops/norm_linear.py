@@ -37,7 +37,7 @@ def _fused_config(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     return cfg if cfg is not None and cfg.gemv else None
 
 
-def _norm_unfused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+def norm_unfused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, h): the add and the norm as the graph had them, one kernel on CUDA."""
     if x.is_cuda and (residual is None or residual.dtype == x.dtype) and norm_weight.dtype == x.dtype:
@@ -50,7 +50,7 @@ def _norm_unfused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     return normed, h
 
 
-def _run(x, residual, norm_weight, eps, weight, bias, use_pdl) -> tuple[torch.Tensor, torch.Tensor]:
+def run_norm_linear(x, residual, norm_weight, eps, weight, bias, use_pdl) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = _fused_config(x, residual, norm_weight, weight, bias)
     if cfg is not None:
         from hf_accel.ops import skinny_gemm
@@ -58,7 +58,7 @@ def _run(x, residual, norm_weight, eps, weight, bias, use_pdl) -> tuple[torch.Te
         y, h = skinny_gemm.norm_linear_fused(x, residual, norm_weight, eps, weight, bias, cfg, use_pdl,
                                              counters=split_k_counters())
         return y, (h if h is not None else x)
-    normed, h = _norm_unfused(x, residual, norm_weight, eps, use_pdl)
+    normed, h = norm_unfused(x, residual, norm_weight, eps, use_pdl)
     return run_linear(normed, weight, bias, use_pdl), h
 
 
@@ -66,7 +66,7 @@ def _run(x, residual, norm_weight, eps, weight, bias, use_pdl) -> tuple[torch.Te
 def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                     bias: torch.Tensor | None, use_pdl: bool) -> torch.Tensor:
     """`F.linear(llama_rms_norm(x, norm_weight, eps), weight, bias)` (see the module docstring)."""
-    return _run(x, None, norm_weight, eps, weight, bias, use_pdl)[0]
+    return run_norm_linear(x, None, norm_weight, eps, weight, bias, use_pdl)[0]
 
 
 @rms_norm_linear.register_fake
@@ -79,7 +79,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
                         weight: torch.Tensor, bias: torch.Tensor | None,
                         use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(F.linear(llama_rms_norm(h, norm_weight, eps), weight, bias), h)` for `h = x + residual`."""
-    return _run(x, residual, norm_weight, eps, weight, bias, use_pdl)
+    return run_norm_linear(x, residual, norm_weight, eps, weight, bias, use_pdl)
 
 
 @add_rms_norm_linear.register_fake

@@ -67,10 +67,11 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+    FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr, GATED: tl.constexpr,
 ):
     """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count.
-    EARLY_TRIGGER: let the successor launch right after the wait instead of after the K loop."""
+    EARLY_TRIGGER: let the successor launch right after the wait instead of after the K loop.
+    GATED: W has 2N rows, gate then up; the output is `silu(x @ W[:N]^T) * (x @ W[N:]^T)` (`_store_output`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,29 +82,37 @@ def _skinny_gemm_kernel(
     k0 = pid_k * K_PER_SPLIT
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :]
+    u_ptrs = w_ptrs + N * stride_wn  # GATED: the up rows, N below the gate rows
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            w_mask = n_ok[:, None]
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         else:
             k_ok = (k0 + k + offs_k) < tl.minimum(K, k0 + K_PER_SPLIT)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w_mask = n_ok[:, None] & k_ok[None, :]
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=w_mask, other=0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # int8 weights widen in registers; a no-op for bf16 / fp16
+        if GATED:
+            acc_u = tl.dot(x, tl.trans(tl.load(u_ptrs, mask=w_mask, other=0).to(x.dtype)), acc_u)
+            u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    part0_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # split 0's partial of this tile
-    _finish(acc, y_ptrs, part0_ptrs, M * N, pid_k, counters_ptr + pid_n, b_ptr, s_ptr, offs_n, n_ok, mask,
-            IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS)
+    # split 0's partial of this tile; a gated launch keeps gate and up partials side by side (rows of 2N)
+    part_row = 2 * N if GATED else N
+    part0_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * part_row + offs_n[None, :]
+    _finish(acc, acc_u, y_ptrs, part0_ptrs, M * part_row, N, pid_k, counters_ptr + pid_n, b_ptr, s_ptr, offs_n,
+            n_ok, mask, IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS, GATED)
 
 
 @triton.jit
@@ -112,7 +121,7 @@ def _gemv_kernel(
     r_ptr, g_ptr, h_ptr, inv_k, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr, FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
-    NORM: tl.constexpr, HAS_ADD: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM: tl.constexpr, HAS_ADD: tl.constexpr, NORM_BLOCK: tl.constexpr, GATED: tl.constexpr,
 ):
     """One row (M = 1) without tensor cores: each program multiplies a `[BLOCK_N, K / SPLIT_K]` slice of W by x
     element-wise in float32 and sums each row once, after the K loop. `tl.dot` pads M to 16, so at M = 1 the GEMM
@@ -125,7 +134,9 @@ def _gemv_kernel(
     NORM: the input is `rms_norm(x (+ r))` with weight `g` (Llama style, `norm_linear_fused`): every program first
     sums the squares of the whole row (`NORM_BLOCK` columns at a time; program 0 also stores `x + r` to `h_ptr`
     under HAS_ADD), then its K loop normalizes each tile of x as it reads it, rounding where the stock module
-    rounds, so the GEMM sees the bits the norm kernel it replaces would have written."""
+    rounds, so the GEMM sees the bits the norm kernel it replaces would have written.
+
+    GATED: as the GEMM kernel's (W has 2N rows, gate then up; the output is `silu(gate) * up`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,7 +146,11 @@ def _gemv_kernel(
     k_end = tl.minimum(K, k0 + K_PER_SPLIT)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     # EVEN_K (every split whole tiles of K): no mask along K, so the loads stay 16-byte vectors
+    u_ptrs = w_ptrs + N * stride_wn  # GATED: the up rows, N below the gate rows
     w = _gemv_tile(w_ptrs, n_ok[:, None], (k0 + offs_k)[None, :], k_end, EVEN_K)
+    wu = w
+    if GATED:
+        wu = _gemv_tile(u_ptrs, n_ok[:, None], (k0 + offs_k)[None, :], k_end, EVEN_K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if EARLY_TRIGGER:
@@ -144,19 +159,28 @@ def _gemv_kernel(
     if NORM:
         rstd = _row_rstd(x_ptr, r_ptr, h_ptr, K, inv_k, eps, pid_n + pid_k, HAS_ADD, NORM_BLOCK)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(BLOCK_K, K_PER_SPLIT, BLOCK_K):  # W's tile k is loaded before tile k - 1 is used
         w_next = _gemv_tile(w_ptrs + k, n_ok[:, None], (k0 + k + offs_k)[None, :], k_end, EVEN_K)
         x = _gemv_input(x_ptr, r_ptr, g_ptr, k0 + k - BLOCK_K + offs_k, k_end, rstd, EVEN_K, NORM, HAS_ADD)
         acc += w.to(tl.float32) * x[None, :]
         w = w_next
+        if GATED:
+            wu_next = _gemv_tile(u_ptrs + k, n_ok[:, None], (k0 + k + offs_k)[None, :], k_end, EVEN_K)
+            acc_u += wu.to(tl.float32) * x[None, :]
+            wu = wu_next
     last = (K_PER_SPLIT - 1) // BLOCK_K * BLOCK_K
     x = _gemv_input(x_ptr, r_ptr, g_ptr, k0 + last + offs_k, k_end, rstd, EVEN_K, NORM, HAS_ADD)
     acc += w.to(tl.float32) * x[None, :]
+    if GATED:
+        acc_u += wu.to(tl.float32) * x[None, :]
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])  # the output row, shaped as the GEMM's epilogue sees a tile
-    _finish(row, y_ptr + offs_n[None, :], part_ptr + offs_n[None, :], N, pid_k, counters_ptr + pid_n, b_ptr, s_ptr,
-            offs_n, n_ok, n_ok[None, :], IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS)
+    row_u = tl.reshape(tl.sum(acc_u, axis=1), [1, BLOCK_N])
+    part_row = 2 * N if GATED else N
+    _finish(row, row_u, y_ptr + offs_n[None, :], part_ptr + offs_n[None, :], part_row, N, pid_k, counters_ptr + pid_n,
+            b_ptr, s_ptr, offs_n, n_ok, n_ok[None, :], IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS, GATED)
 
 
 @triton.jit
@@ -203,16 +227,19 @@ def _gemv_tile(ptrs, row_ok, k_offs, k_end, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _finish(acc, y_ptrs, part0_ptrs, split_stride, pid_k, counter, b_ptr, s_ptr, offs_n, n_ok, mask,
-            IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, FUSED_SPLITS: tl.constexpr):
+def _finish(acc, acc_u, y_ptrs, part0_ptrs, split_stride, up_offset, pid_k, counter, b_ptr, s_ptr, offs_n, n_ok,
+            mask, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+            FUSED_SPLITS: tl.constexpr, GATED: tl.constexpr):
     """After the K loop of either kernel: the output tile (one split), or this split's float32 partial at
-    `part0_ptrs + pid_k * split_stride` and, with FUSED_SPLITS, the reduction by the split that takes the last
-    ticket from this column tile's `counter`."""
+    `part0_ptrs + pid_k * split_stride` (GATED: the up partial `up_offset` columns after it) and, with
+    FUSED_SPLITS, the reduction by the split that takes the last ticket from this column tile's `counter`."""
     if not IS_SPLIT:
-        _store_output(acc, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS, HAS_SCALE)
+        _store_output(acc, acc_u, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS, HAS_SCALE, GATED)
     else:
         split_stride = pid_k.to(tl.int64) * 0 + split_stride  # int64, even where triton made it a constant (M=N=1)
         tl.store(part0_ptrs + pid_k * split_stride, acc, mask=mask)
+        if GATED:
+            tl.store(part0_ptrs + pid_k * split_stride + up_offset, acc_u, mask=mask)
         if FUSED_SPLITS > 0:
             # every thread's partial is stored before one thread takes the ticket (release); the last split's
             # ticket (acquire) then sees all of them. Its loads bypass L1 (.cg), which holds nothing stale of them
@@ -221,50 +248,72 @@ def _finish(acc, y_ptrs, part0_ptrs, split_stride, pid_k, counter, b_ptr, s_ptr,
             if ticket == FUSED_SPLITS - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
                 total = tl.zeros_like(acc)
+                total_u = tl.zeros_like(acc)
                 for s in tl.static_range(FUSED_SPLITS):  # fixed order, as the reduce kernel
                     total += tl.load(part0_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-                _store_output(total, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS, HAS_SCALE)
+                    if GATED:
+                        total_u += tl.load(part0_ptrs + s * split_stride + up_offset, mask=mask, other=0.0,
+                                           cache_modifier=".cg")
+                _store_output(total, total_u, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS, HAS_SCALE, GATED)
 
 
 @triton.jit
-def _store_output(acc, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+def _store_output(acc, acc_u, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, GATED: tl.constexpr):
     """The epilogue of every path (GEMM, fused split-K, reduce kernel): an int8 weight's per-output-row scale, then
-    the bias, then the cast to the output dtype."""
-    if HAS_SCALE:
-        acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
+    the bias, then the cast to the output dtype. GATED (no scale, no bias): `silu(gate) * up` from the gate and up
+    sums, rounded where the stock MLP rounds: each product to the output dtype (as the GEMM's output is), SiLU in
+    float32 rounded to it (nn.SiLU), then one float32 product rounded once (`fused_kernels.silu_and_mul`)."""
+    dtype = y_ptrs.dtype.element_ty
+    if GATED:
+        g = acc.to(dtype).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        acc = silu * acc_u.to(dtype).to(tl.float32)
+    else:
+        if HAS_SCALE:
+            acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptrs, acc.to(dtype), mask=mask)
 
 
 @triton.jit
 def _split_reduce_kernel(part_ptr, b_ptr, s_ptr, y_ptr, M, N, stride_ym, SPLIT_K, BLOCK: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
+                         GATED: tl.constexpr):
     row = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
+    part_row = 2 * N if GATED else N  # a gated launch's partial rows: gate sums, then up sums
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([1, BLOCK], dtype=tl.float32)  # one output row, as the GEMM's epilogue sees a tile
+    acc_u = tl.zeros([1, BLOCK], dtype=tl.float32)
     for s in range(SPLIT_K):  # fixed order: the same bits on every run
-        acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + offs[None, :], mask=ok[None, :], other=0.0)
+        ptrs = part_ptr + (s * M + row).to(tl.int64) * part_row + offs[None, :]
+        acc += tl.load(ptrs, mask=ok[None, :], other=0.0)
+        if GATED:
+            acc_u += tl.load(ptrs + N, mask=ok[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _store_output(acc, y_ptr + row.to(tl.int64) * stride_ym + offs[None, :], b_ptr, s_ptr, offs, ok, ok[None, :],
-                  HAS_BIAS, HAS_SCALE)
+    _store_output(acc, acc_u, y_ptr + row.to(tl.int64) * stride_ym + offs[None, :], b_ptr, s_ptr, offs, ok,
+                  ok[None, :], HAS_BIAS, HAS_SCALE, GATED)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
                   use_pdl: bool = False, out: torch.Tensor | None = None,
-                  scale: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                  gated: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for `x` of at most `config.block_m` rows (leading dims flattened).
 
     `scale` (one value per output row, contiguous): `weight` is int8 and the product is `(x @ weight^T) * scale`,
     accumulated in float32 and scaled once before the bias and the cast (int8 weight-only quantization).
     `counters` (int32 zeros on x's device, left as zeros): a split-K launch sums its partials in the same launch
-    when there is a counter per column tile (module docstring); None, or too few: the reduce kernel does."""
+    when there is a counter per column tile (module docstring); None, or too few: the reduce kernel does.
+    `gated`: `weight` is a gated MLP's gate rows then its up rows (`[2I, K]`, no bias, no scale) and the result is
+    `silu(x @ gate^T) * (x @ up^T)`, `[..., I]`: the activation in the GEMM's epilogue (`ops.gated_linear`)."""
     k = x.shape[-1]
-    n = weight.shape[0]
+    n = _out_columns(weight, bias, scale, gated)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -278,12 +327,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if m == 0:
         return y.view(*x.shape[:-1], n)
     k_per_split, split = _split(k, config)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    part = torch.empty((split, m, 2 * n if gated else n), dtype=torch.float32, device=x.device) if split > 1 else y
     if counters is not None and counters.numel() < triton.cdiv(n, config.block_n):
         counters = None
     _launch(x2, weight, bias, scale, y, part, counters, m, n, k, k_per_split, split,
-            (x2.stride(0), weight.stride(0), y.stride(0)), config, use_pdl, warmup=False)
+            (x2.stride(0), weight.stride(0), y.stride(0)), config, use_pdl, warmup=False, gated=gated)
     return y.view(*x.shape[:-1], n)
+
+
+def _out_columns(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None, gated: bool) -> int:
+    """The output's columns: the weight's rows, or half of them for a gated launch (gate rows, then up rows)."""
+    if not gated:
+        return weight.shape[0]
+    assert bias is None and scale is None, "a gated launch has no bias and no int8 scale"
+    assert weight.shape[0] % 2 == 0, f"a gated weight has gate and up rows: {weight.shape[0]} rows is odd"
+    return weight.shape[0] // 2
 
 
 @dataclass
@@ -299,16 +357,17 @@ class NormArgs:
 
 def norm_linear_fused(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                       weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig, use_pdl: bool = False,
-                      counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      counters: torch.Tensor | None = None,
+                      gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`F.linear(rms_norm(h), weight, bias)` for one row `h = x (+ residual)`, in one launch of the one-row kernel
     (`config.gemv`): returns the product and, given `residual`, `h` (else None).
 
     The norm is LlamaRMSNorm's: `norm_weight * (h.float() * rsqrt(mean(h.float()^2) + eps)).to(dtype)`, each
     step rounded as the stock module rounds it; `norm_weight` has x's dtype. It replaces the norm kernel (with the
     residual add, the one Inductor makes of the add and the norm) that would run between the previous kernel and
-    this GEMM: `compilation.norm_folding` puts it in the traced forward."""
+    this GEMM: `compilation.norm_folding` puts it in the traced forward. `gated`: as `skinny_linear`'s."""
     k = x.shape[-1]
-    n = weight.shape[0]
+    n = _out_columns(weight, bias, None, gated)
     assert config.gemv and x.numel() == k, "norm_linear_fused is the one-row kernel's: one row, a GEMV config"
     assert norm_weight.shape == (k,) and norm_weight.dtype == x.dtype and weight.shape[1] == k
     x1 = x.reshape(k).contiguous()
@@ -318,27 +377,28 @@ def norm_linear_fused(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
         bias = bias.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     k_per_split, split = _split(k, config)
-    part = torch.empty((split, 1, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    part = torch.empty((split, 1, 2 * n if gated else n), dtype=torch.float32, device=x.device) if split > 1 else y
     if counters is not None and counters.numel() < triton.cdiv(n, config.block_n):
         counters = None
     _launch(x1, weight, bias, None, y, part, counters, 1, n, k, k_per_split, split, (k, weight.stride(0), n),
-            config, use_pdl, warmup=False, norm=NormArgs(norm_weight.contiguous(), eps, r1, h))
+            config, use_pdl, warmup=False, norm=NormArgs(norm_weight.contiguous(), eps, r1, h), gated=gated)
     out = y.view(*x.shape[:-1], n)
     return out, (h.view(x.shape) if h is not None else None)
 
 
 def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype: torch.dtype, has_bias: bool,
                         has_scale: bool, config: SkinnyConfig, use_pdl: bool = False,
-                        fused_splits: bool = True) -> list:
+                        fused_splits: bool = True, gated: bool = False) -> list:
     """Compile (without running) the kernels `skinny_linear` launches for `m` rows of a contiguous `dtype` input
     and a contiguous [n, k] weight (`fused_splits`: given counters): Triton's `warmup`, with dtypes standing in for
     the tensors (only their dtypes and alignment enter a kernel's specialization). Returns what each `warmup`
     returned (under Triton's async compile mode, futures), so `ops.triton_build.build_in_parallel` can build many
-    configurations at once."""
+    configurations at once. `gated`: `n` is the weight's rows (gate and up), as for `skinny_linear(gated=True)`."""
     k_per_split, split = _split(k, config)
+    out_n = n // 2 if gated else n
     return _launch(dtype, weight_dtype, dtype if has_bias else None, dtype if has_scale else None, dtype,
-                   torch.float32 if split > 1 else dtype, torch.int32 if fused_splits else None, m, n, k,
-                   k_per_split, split, (k, k, n), config, use_pdl, warmup=True)
+                   torch.float32 if split > 1 else dtype, torch.int32 if fused_splits else None, m, out_n, k,
+                   k_per_split, split, (k, k, out_n), config, use_pdl, warmup=True, gated=gated)
 
 
 def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
@@ -349,11 +409,12 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
 
 def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k_per_split: int, split: int,
             strides: tuple[int, int, int], config: SkinnyConfig, use_pdl: bool, warmup: bool,
-            norm: NormArgs | None = None) -> list:
+            norm: NormArgs | None = None, gated: bool = False) -> list:
     """Launch (or, with `warmup`, only compile) the GEMM and, when K is split and no `counters` are given, the
     reduction; one code path for both, so what is built ahead is what runs. The pointer arguments are tensors, or
     dtypes when `warmup` (an absent bias, scale or counters is None). `norm`: the one-row kernel normalizes its
-    input first (`norm_linear_fused`). Returns what each launch returned."""
+    input first (`norm_linear_fused`). `gated`: `n` is the output's columns, half the weight's rows (gate, then
+    up), and the epilogue applies the SiLU gate. Returns what each launch returned."""
     has_bias, has_scale = bias is not None, scale is not None
     fused = split > 1 and counters is not None
     in_gemm = split == 1 or fused  # the GEMM kernel itself writes the output (bias and scale there)
@@ -362,7 +423,7 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     common = dict(
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0, IS_SPLIT=split > 1,
         HAS_BIAS=has_bias and in_gemm, HAS_SCALE=has_scale and in_gemm, USE_PDL=use_pdl,
-        FUSED_SPLITS=split if fused else 0, EARLY_TRIGGER=EARLY_TRIGGER, num_warps=config.num_warps,
+        FUSED_SPLITS=split if fused else 0, EARLY_TRIGGER=EARLY_TRIGGER, GATED=gated, num_warps=config.num_warps,
         num_stages=config.num_stages, **launch_kwargs(use_pdl),
     )
     pointers = (x, weight, bias if has_bias else weight, scale if has_scale else weight, y, part,
@@ -393,7 +454,8 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
         reduce = launcher(_split_reduce_kernel, grid, warmup)
         built.append(reduce(
             part, bias if has_bias else weight, scale if has_scale else weight, y, m, n, stride_ym, SPLIT_K=split,
-            BLOCK=block, HAS_BIAS=has_bias, HAS_SCALE=has_scale, USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
+            BLOCK=block, HAS_BIAS=has_bias, HAS_SCALE=has_scale, USE_PDL=use_pdl, GATED=gated, num_warps=4,
+            **launch_kwargs(use_pdl),
         ))
     return built
 
