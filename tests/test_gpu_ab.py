@@ -262,6 +262,7 @@ def test_batch_one_decode_judged_by_float32(shape):
         assert any(isinstance(d, dict) and d.get("gemv") for d in decisions.values()), decisions
         if model.config.hidden_size <= MAX_FOLD_K:  # the norms run inside the one-row GEMMs: judged here too
             assert engine_info(model)["folded_norms"] > 0
+        assert engine_info(model)["gated_linears"] > 0  # the gated gate/up GEMM is judged here too
         for ids, ref, ref_scores in refs:
             got = model.generate(input_ids=ids, max_new_tokens=24, do_sample=False)
             assert_greedy_matches(ref, got, ref_scores, ids.shape[1])
