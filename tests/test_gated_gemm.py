@@ -473,3 +473,27 @@ def test_gpu_gated_chain_in_a_graph_with_and_without_pdl(gemv):
     for plain, overlapped in zip(outs[False], outs[True], strict=True):
         assert torch.equal(plain, overlapped)
 
+
+
+def test_gated_one_row_candidates_keep_the_norm_fold(monkeypatch):
+    """At one row, where the plain linear's decision is the one-row kernel (which can carry the RMSNorm before it),
+    the gated candidates are one-row kernels only; with a tensor-core (or no) plain decision, and at more rows, the
+    whole candidate set is timed."""
+    monkeypatch.setattr(linear_op, "device_index", lambda device: 0)
+    cpu = torch.device("cpu")
+    linear_op.clear_decisions()
+    try:
+        every = linear_op._candidates_for(1, 1024, False)
+        assert any(c.gemv for c in every) and any(not c.gemv for c in every)
+        assert linear_op._gated_candidates(cpu, torch.bfloat16, 64, 1024, 1) == every  # no plain decision
+        linear_op._decisions[linear_op._key(cpu, torch.bfloat16, 64, 1024, False, 1)] = G.SkinnyConfig(
+            1, 8, 512, 1, gemv=True)
+        one_row = linear_op._gated_candidates(cpu, torch.bfloat16, 64, 1024, 1)
+        assert one_row and all(c.gemv for c in one_row)
+        assert linear_op._gated_candidates(cpu, torch.bfloat16, 64, 1024, 16) == linear_op._candidates_for(
+            16, 1024, False)
+        linear_op._decisions[linear_op._key(cpu, torch.bfloat16, 64, 1024, False, 1)] = G.SkinnyConfig(
+            16, 32, 256, 1)
+        assert linear_op._gated_candidates(cpu, torch.bfloat16, 64, 1024, 1) == every
+    finally:
+        linear_op.clear_decisions()
