@@ -475,25 +475,12 @@ def test_gpu_gated_chain_in_a_graph_with_and_without_pdl(gemv):
 
 
 
-def test_gated_one_row_candidates_keep_the_norm_fold(monkeypatch):
-    """At one row, where the plain linear's decision is the one-row kernel (which can carry the RMSNorm before it),
-    the gated candidates are one-row kernels only; with a tensor-core (or no) plain decision, and at more rows, the
-    whole candidate set is timed."""
-    monkeypatch.setattr(linear_op, "device_index", lambda device: 0)
-    cpu = torch.device("cpu")
-    linear_op.clear_decisions()
-    try:
-        every = linear_op._candidates_for(1, 1024, False)
-        assert any(c.gemv for c in every) and any(not c.gemv for c in every)
-        assert linear_op._gated_candidates(cpu, torch.bfloat16, 64, 1024, 1) == every  # no plain decision
-        linear_op._decisions[linear_op._key(cpu, torch.bfloat16, 64, 1024, False, 1)] = G.SkinnyConfig(
-            1, 8, 512, 1, gemv=True)
-        one_row = linear_op._gated_candidates(cpu, torch.bfloat16, 64, 1024, 1)
-        assert one_row and all(c.gemv for c in one_row)
-        assert linear_op._gated_candidates(cpu, torch.bfloat16, 64, 1024, 16) == linear_op._candidates_for(
-            16, 1024, False)
-        linear_op._decisions[linear_op._key(cpu, torch.bfloat16, 64, 1024, False, 1)] = G.SkinnyConfig(
-            16, 32, 256, 1)
-        assert linear_op._gated_candidates(cpu, torch.bfloat16, 64, 1024, 1) == every
-    finally:
-        linear_op.clear_decisions()
+def test_gated_candidates_at_one_row_are_one_row_kernels():
+    """At one row the gated candidates are the one-row kernel's only (the kernel that can carry the norm before
+    it); at more rows, the whole tensor-core set."""
+    every = linear_op._candidates_for(1, 1024, False)
+    assert any(c.gemv for c in every) and any(not c.gemv for c in every)
+    one_row = linear_op._gated_candidates(1, 1024)
+    assert one_row == [c for c in every if c.gemv]
+    for bucket in (16, 64):
+        assert linear_op._gated_candidates(bucket, 1024) == linear_op._candidates_for(bucket, 1024, False)

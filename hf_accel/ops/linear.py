@@ -49,8 +49,8 @@ TUNE_FILE = "small_m_gemm.json"
 # candidates, MIN_GAIN, the int8 tile rule `quantized_linear.default_config` or what is timed change; 3: split-K
 # candidates are timed with their reduction in the same launch, as engine steps run them)
 TUNE_VERSION = 4  # 4: the one-row kernel among the M = 1 candidates
-# part of gated keys only (`gated_key_dtype`); 2: one-row candidates only where the plain decision is one-row
-GATED_TUNE_VERSION = 2
+# part of gated keys only (`gated_key_dtype`); 3: one-row candidates only at one row
+GATED_TUNE_VERSION = 3
 # the one-row (GEMV) kernel of `skinny_gemm` among the M = 1 candidates; HF_ACCEL_ONE_ROW_GEMM=0 leaves it out (the
 # A/B switch; read once per process, and part of the stored key, so either setting keeps its own decisions)
 ONE_ROW_GEMM = os.environ.get("HF_ACCEL_ONE_ROW_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -259,7 +259,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     x = torch.randn(bucket, k, device=device, dtype=dtype)
     # split-K candidates reduce in the same launch, as in an engine step (whose runner holds such counters): one
     # counter per column tile of the narrowest candidate (fewer would time the reduce kernel instead)
-    candidates = _gated_candidates(device, dtype, n, k, bucket) if gated else _candidates_for(bucket, k, int8)
+    candidates = _gated_candidates(bucket, k) if gated else _candidates_for(bucket, k, int8)
     out_n = n // 2 if gated else n
     counters = torch.zeros(-(-out_n // min(c.block_n for c in candidates)), dtype=torch.int32, device=device)
     rows = min(out_n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
@@ -324,15 +324,15 @@ def _candidates_for(bucket: int, k: int, int8: bool, one_row_only: bool = False)
             and (c.gemv or not one_row_only)]
 
 
-def _gated_candidates(device: torch.device, dtype: torch.dtype, n: int, k: int, bucket: int) -> list:
-    """The gated candidates of a gate/up shape. Where the plain linear's decision at one row is the one-row kernel,
-    only the one-row kernel's: it is the kernel that can also apply the RMSNorm before the linear
-    (`compilation.norm_folding`), which the timing here does not see. A tensor-core tile winning the gated timing
-    there would bring the norm's own kernel back for the activation's (on the H200, llama-3.2-1b W1 987 against
-    1,001 tok/s without the gated GEMM, same lease)."""
-    plain = _decisions.get(_key(device, dtype, n, k, False, bucket))
-    one_row_only = bucket == 1 and plain is not None and plain.gemv
-    return _candidates_for(bucket, k, False, one_row_only)
+def _gated_candidates(bucket: int, k: int) -> list:
+    """The gated candidates of a gate/up shape: at one row the one-row kernel's only, elsewhere all of them.
+
+    At one row the gated form must be the one-row kernel, the kernel that can also apply the RMSNorm before the
+    linear (`compilation.norm_folding`): the timing here sees neither that norm nor how a tensor-core tile overlaps
+    the kernels around it in a step. On the H200, llama-3.2-1b's tensor-core gated tile won its timing at one row
+    and lost in the step (W1 987 and 963 tok/s against 1,001 and 986 without the gated GEMM, two leases), while
+    qwen3-0.6b's one-row gated kernel won both (W1 1,143 against 1,093, same lease)."""
+    return _candidates_for(bucket, k, False, one_row_only=bucket == 1)
 
 
 def build_candidates(todo: Iterable[tuple[int, int, bool, int]], dtype: torch.dtype, use_pdl: bool, int8: bool,
@@ -349,7 +349,7 @@ def build_candidates(todo: Iterable[tuple[int, int, bool, int]], dtype: torch.dt
         for n, k, has_bias, bucket in todo:
             # int8: the tile rule is the baseline, timed beside the candidates
             baseline = [default_config(bucket, n, k, device)] if int8 else []
-            cands = _gated_candidates(device, dtype, n, k, bucket) if gated else _candidates_for(bucket, k, int8)
+            cands = _gated_candidates(bucket, k) if gated else _candidates_for(bucket, k, int8)
             for cfg in cands + baseline:
                 warmups.append(lambda n=n, k=k, b=has_bias, m=bucket, c=cfg: build_skinny_linear(
                     m, n, k, dtype, wdtype, b, int8, c, use_pdl, gated=gated))
