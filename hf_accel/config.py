@@ -151,8 +151,11 @@ class AccelConfig:
     # with small_m_gemm: a gated SiLU MLP's packed gate/up linear and the `silu(gate) * up` after it are one op
     # (compilation/gated_activation.py); for row counts where warm-up timed it faster, the small-M GEMM applies the
     # gate in its epilogue and the activation's kernel is gone (one per layer); elsewhere the op runs the linear and
-    # one SiLU-and-mul kernel of ours, rounding as the stock MLP does. False: the activation stays Inductor's (the A/B)
-    gated_gemm: bool = True
+    # one SiLU-and-mul kernel of ours, rounding as the stock MLP does. Off by default: on the H200 (same leases) it
+    # gave qwen3-0.6b W1 1,143 against 1,093 tok/s and W2 35,974 against 35,047, but W3 (decode at 256 rows, above
+    # the gated kernel's 64, so the op's SiLU-and-mul kernel runs where Inductor's fused one did) 29,296 against
+    # 30,613. True: on (the A/B; worth it for batch-1 / small-batch serving)
+    gated_gemm: bool = False
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

@@ -20,7 +20,7 @@ import torch
 import transformers
 from conftest import random_left_padded
 
-from hf_accel import accelerate_model, available_backends, engine_info, restore
+from hf_accel import AccelConfig, accelerate_model, available_backends, engine_info, restore
 from hf_accel.bench import tie_margin_for
 from hf_accel.compilation.norm_folding import MAX_FOLD_K
 
@@ -256,13 +256,14 @@ def test_batch_one_decode_judged_by_float32(shape):
     for row in (0, 1):
         ids = jids[row : row + 1, jmask[row].bool()]
         refs.append((ids, *reference(model, ids, torch.ones_like(ids), 24)))
-    accelerate_model(model, attention_backend="triton")
+    # the gated gate/up GEMM (off by default) is judged here too
+    accelerate_model(model, attention_backend="triton", config=AccelConfig(gated_gemm=True))
     try:
         decisions = (engine_info(model)["small_m_gemm"] or {}).get("decisions", {})
         assert any(isinstance(d, dict) and d.get("gemv") for d in decisions.values()), decisions
         if model.config.hidden_size <= MAX_FOLD_K:  # the norms run inside the one-row GEMMs: judged here too
             assert engine_info(model)["folded_norms"] > 0
-        assert engine_info(model)["gated_linears"] > 0  # the gated gate/up GEMM is judged here too
+        assert engine_info(model)["gated_linears"] > 0
         for ids, ref, ref_scores in refs:
             got = model.generate(input_ids=ids, max_new_tokens=24, do_sample=False)
             assert_greedy_matches(ref, got, ref_scores, ids.shape[1])
