@@ -484,3 +484,13 @@ def test_gated_candidates_at_one_row_are_one_row_kernels():
     assert one_row == [c for c in every if c.gemv]
     for bucket in (16, 64):
         assert linear_op._gated_candidates(bucket, 1024) == linear_op._candidates_for(bucket, 1024, False)
+
+
+def test_gated_one_row_bucket_without_one_row_candidates_keeps_the_baseline(monkeypatch):
+    """With the one-row kernel switched off there is no gated candidate at one row: that bucket keeps the baseline
+    (no crash, and the other buckets are still tuned)."""
+    monkeypatch.setattr(linear_op, "ONE_ROW_GEMM", False)
+    assert linear_op._gated_candidates(1, 1024) == []
+    cfg, _, _ = linear_op._tune_one(64, 1024, False, 1, torch.bfloat16, torch.device("cpu"), False, 1 << 20,
+                                    gated=True)
+    assert cfg is None

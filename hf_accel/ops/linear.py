@@ -260,8 +260,13 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     # split-K candidates reduce in the same launch, as in an engine step (whose runner holds such counters): one
     # counter per column tile of the narrowest candidate (fewer would time the reduce kernel instead)
     candidates = _gated_candidates(bucket, k) if gated else _candidates_for(bucket, k, int8)
+    if not candidates:  # e.g. gated at one row with the one-row kernel switched off: the baseline
+        return None, 0.0, 0.0
     out_n = n // 2 if gated else n
-    counters = torch.zeros(-(-out_n // min(c.block_n for c in candidates)), dtype=torch.int32, device=device)
+    # enough counters for the candidates' column tiles and for the gated baseline's plain linear over all n rows
+    plain_cfg = _decisions.get(_key(device, dtype, n, k, False, bucket)) if gated else None
+    tiles = max(-(-out_n // min(c.block_n for c in candidates)), -(-n // plain_cfg.block_n) if plain_cfg else 0)
+    counters = torch.zeros(tiles, dtype=torch.int32, device=device)
     rows = min(out_n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
     w_ref = weights[0][:rows].float() * (scale[:rows, None].float() if int8 else 1.0)
     ref = F.linear(x.float(), w_ref, bias[:rows].float() if bias is not None else None)

@@ -82,7 +82,7 @@ def _skinny_gemm_kernel(
     k0 = pid_k * K_PER_SPLIT
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :]
-    u_ptrs = w_ptrs + N * stride_wn  # GATED: the up rows, N below the gate rows
+    u_ptrs = w_ptrs + N.to(tl.int64) * stride_wn  # GATED: the up rows, N below the gate rows (int64 offset)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if USE_PDL:
@@ -146,7 +146,7 @@ def _gemv_kernel(
     k_end = tl.minimum(K, k0 + K_PER_SPLIT)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     # EVEN_K (every split whole tiles of K): no mask along K, so the loads stay 16-byte vectors
-    u_ptrs = w_ptrs + N * stride_wn  # GATED: the up rows, N below the gate rows
+    u_ptrs = w_ptrs + N.to(tl.int64) * stride_wn  # GATED: the up rows, N below the gate rows (int64 offset)
     w = _gemv_tile(w_ptrs, n_ok[:, None], (k0 + offs_k)[None, :], k_end, EVEN_K)
     wu = w
     if GATED:
