@@ -236,3 +236,21 @@ def save_compressed_tensors_checkpoint(model: torch.nn.Module, path: str, preset
     compressor.compress_model(model)
     model.save_pretrained(path)
     compressor.update_config(path)
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch (`kernel[grid](...)`) or build (`kernel.warmup(...)`)
+    with tensors reduced to their dtypes, which with the integers and keywords is what Triton specializes on."""
+
+    def __init__(self, calls: list, name: str):
+        self.calls, self.name = calls, name
+
+    def _record(self, grid, args, kwargs):
+        args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)
+        self.calls.append((self.name, grid, args, tuple(sorted(kwargs.items()))))
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._record(grid, args, kwargs)
+
+    def warmup(self, *args, grid, **kwargs):
+        return self._record(grid, args, kwargs)

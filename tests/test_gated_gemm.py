@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import LaunchRecorder
 from triton_mode import DEVICE, ON_GPU, load_kernel_modules
 
 triton = pytest.importorskip("triton")
@@ -123,23 +124,6 @@ def test_gated_one_row_kernel_normalizes_its_input(inter, k, block_n, block_k, s
     assert not counters.any()
 
 
-class _LaunchRecorder:
-    """Stands in for a Triton kernel: records each launch or build with tensors reduced to their dtypes."""
-
-    def __init__(self, calls: list, name: str):
-        self.calls, self.name = calls, name
-
-    def _record(self, grid, args, kwargs):
-        args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)
-        self.calls.append((self.name, grid, args, tuple(sorted(kwargs.items()))))
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self._record(grid, args, kwargs)
-
-    def warmup(self, *args, grid, **kwargs):
-        return self._record(grid, args, kwargs)
-
-
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize(("m", "split", "gemv"), [(1, 1, False), (5, 2, False), (64, 8, False), (1, 1, True),
                                                   (1, 3, True)])
@@ -150,9 +134,9 @@ def test_gated_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, gem
     cfg = G.SkinnyConfig(1 if gemv else 16 if m <= 16 else 64, 16, 64, split, 4, 2, gemv=gemv)
     real, built = [], []
     for calls in (real, built):
-        monkeypatch.setattr(G, "_skinny_gemm_kernel", _LaunchRecorder(calls, "gemm"))
-        monkeypatch.setattr(G, "_gemv_kernel", _LaunchRecorder(calls, "gemv"))
-        monkeypatch.setattr(G, "_split_reduce_kernel", _LaunchRecorder(calls, "reduce"))
+        monkeypatch.setattr(G, "_skinny_gemm_kernel", LaunchRecorder(calls, "gemm"))
+        monkeypatch.setattr(G, "_gemv_kernel", LaunchRecorder(calls, "gemv"))
+        monkeypatch.setattr(G, "_split_reduce_kernel", LaunchRecorder(calls, "reduce"))
         if calls is real:
             G.skinny_linear(torch.randn(m, k, dtype=torch.float16), torch.randn(n, k, dtype=torch.float16), None,
                             cfg, counters=torch.zeros(8, dtype=torch.int32) if fused else None, gated=True)

@@ -14,6 +14,7 @@ from triton_mode import DEVICE, ON_GPU, load_kernel_modules
 triton = pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
+from conftest import LaunchRecorder  # noqa: E402
 
 from hf_accel.compilation.small_m_linear import route_small_m_linears  # noqa: E402
 from hf_accel.ops import linear as linear_op  # noqa: E402
@@ -185,24 +186,6 @@ def test_int8_candidates_fit_their_bucket_and_the_op_follows_a_decision(monkeypa
         linear_op.clear_decisions()
 
 
-class _LaunchRecorder:
-    """Stands in for a Triton kernel: records each launch (`kernel[grid](...)`) or build (`kernel.warmup(...)`)
-    with tensors reduced to their dtypes, which with the integers and keywords is what Triton specializes on."""
-
-    def __init__(self, calls: list, name: str):
-        self.calls, self.name = calls, name
-
-    def _record(self, grid, args, kwargs):
-        args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)
-        self.calls.append((self.name, grid, args, tuple(sorted(kwargs.items()))))
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self._record(grid, args, kwargs)
-
-    def warmup(self, *args, grid, **kwargs):
-        return self._record(grid, args, kwargs)
-
-
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
@@ -215,17 +198,17 @@ def test_built_ahead_launches_are_the_real_ones(monkeypatch, m, split, gemv, bia
     n, k = 96, 320  # K not a multiple of every split: uneven splits and the EVEN_K specialization both occur
     cfg = G.SkinnyConfig(1 if gemv else 16 if m <= 16 else 64, 32, 64, split, 4, 2, gemv=gemv)
     real, built = [], []
-    monkeypatch.setattr(G, "_skinny_gemm_kernel", _LaunchRecorder(real, "gemm"))
-    monkeypatch.setattr(G, "_gemv_kernel", _LaunchRecorder(real, "gemv"))
-    monkeypatch.setattr(G, "_split_reduce_kernel", _LaunchRecorder(real, "reduce"))
+    monkeypatch.setattr(G, "_skinny_gemm_kernel", LaunchRecorder(real, "gemm"))
+    monkeypatch.setattr(G, "_gemv_kernel", LaunchRecorder(real, "gemv"))
+    monkeypatch.setattr(G, "_split_reduce_kernel", LaunchRecorder(real, "reduce"))
     x = torch.randn(m, k, dtype=torch.float16)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8) if int8 else torch.randn(n, k, dtype=torch.float16)
     G.skinny_linear(x, w, torch.randn(n, dtype=torch.float16) if bias else None, cfg, use_pdl=False,
                     scale=torch.rand(n, dtype=torch.float16) if int8 else None,
                     counters=torch.zeros(8, dtype=torch.int32) if fused else None)
-    monkeypatch.setattr(G, "_skinny_gemm_kernel", _LaunchRecorder(built, "gemm"))
-    monkeypatch.setattr(G, "_gemv_kernel", _LaunchRecorder(built, "gemv"))
-    monkeypatch.setattr(G, "_split_reduce_kernel", _LaunchRecorder(built, "reduce"))
+    monkeypatch.setattr(G, "_skinny_gemm_kernel", LaunchRecorder(built, "gemm"))
+    monkeypatch.setattr(G, "_gemv_kernel", LaunchRecorder(built, "gemv"))
+    monkeypatch.setattr(G, "_split_reduce_kernel", LaunchRecorder(built, "reduce"))
     G.build_skinny_linear(m, n, k, torch.float16, w.dtype, bias, int8, cfg, use_pdl=False, fused_splits=fused)
     assert real and built == real
     split_k = G._split(k, cfg)[1]

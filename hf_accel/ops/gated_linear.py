@@ -92,8 +92,7 @@ def _(x, norm_weight, eps, weight, use_pdl):
 def add_rms_norm_silu_mul_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                                  weight: torch.Tensor, use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(silu(y[..., :I]) * y[..., I:], h)` for `h = x + residual`, `y = F.linear(llama_rms_norm(h), weight)`."""
-    y, h = run_gated(x, residual, norm_weight, eps, weight, use_pdl)
-    return y, h
+    return run_gated(x, residual, norm_weight, eps, weight, use_pdl)
 
 
 @add_rms_norm_silu_mul_linear.register_fake
