@@ -209,6 +209,9 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=7, help="graph replays timed (median reported)")
     ap.add_argument("--only", nargs="*", help="implementations to run (triton, triton-unified, flashinfer, fa4)")
     ap.add_argument("--sweep", action="store_true", help="also time alternative Triton tile shapes")
+    ap.add_argument("--w3-study", action="store_true",
+                    help="only W3's decode shape (256 sequences, contexts of prompts uniform in [100, 1024] plus 256 "
+                         "decoded tokens): the decode kernel's tiles and split counts")
     ap.add_argument("--decode-study", action="store_true",
                     help="only the W1/W2 decode shapes (batch 1 and 64 at contexts 128-384): the unified kernel, the "
                          "decode kernel unsplit and split, decode tiles")
@@ -232,6 +235,8 @@ def main() -> int:
 
     if args.decode_study:
         return decode_study(args, gen)
+    if args.w3_study:
+        return w3_study(args)
     max_blocks = -(-max(max(DECODE_CONTEXTS), max(PREFILL_TOKENS)) // BLOCK_SIZE)
     num_blocks = max(DECODE_BATCHES) * max_blocks + 1  # block 0 stays the null block
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -372,6 +377,81 @@ def decode_study(args: argparse.Namespace, gen: torch.Generator) -> int:
                 rows.append(row)
                 print(f"decode {batch:3d} x {ctx:4d}  {name:60s} {secs * 1e6:8.2f} us  "
                       f"{row['gbps']:6.0f} GB/s  diff {diff:.1e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    return 0
+
+
+def varied_case(lengths: list[int], num_blocks: int, max_blocks: int, gen: torch.Generator) -> Case:
+    """A decode batch whose sequences have these KV lengths (pages drawn at random from the pool)."""
+    dev = torch.device(DEVICE)
+    batch = len(lengths)
+    need = [-(-n // BLOCK_SIZE) for n in lengths]
+    perm = (torch.randperm(num_blocks - 1, generator=gen)[: sum(need)] + 1).tolist()
+    tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(perm[at: at + n], dtype=torch.int32)
+        at += n
+    meta = StepMetadata(
+        num_tokens=batch, num_seqs=batch, max_query_len=1, max_seq_len=max(lengths), block_size=BLOCK_SIZE,
+        query_start_loc=torch.arange(0, batch + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=dev),
+        context_lens=torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device=dev),
+        block_tables=tables.to(dev), slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=dev),
+        query_lens_cpu=[1] * batch, seq_lens_cpu=list(lengths),
+    )
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+    kv_bytes = sum(lengths) * NUM_KV_HEADS * HEAD_DIM * 2 * query.element_size()
+    return Case("decode", batch, sum(lengths) // batch, query, meta,
+                kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * query.element_size(), 0)
+
+
+def w3_study(args: argparse.Namespace) -> int:
+    """W3's decode step (and W2's for comparison): tiles and split counts of the decode kernel, GB/s of KV read.
+    Capacity as the engine gives qwen3-0.6b (40,960 tokens per sequence)."""
+    import random
+
+    from hf_accel.attention.kernels.common import TileConfig
+
+    max_blocks = 40960 // BLOCK_SIZE
+    rng = random.Random(0)
+    w3 = [rng.randint(100, 1024) + 256 for _ in range(256)]
+    shapes = {"W3 256 x U[356, 1280]": w3, "W3 sorted longest first": sorted(w3, reverse=True),
+              "W2 64 x 256": [256] * 64, "W2 64 x 384": [384] * 64}
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in w3) + 1
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_()
+    v_cache = torch.empty(shape, dtype=DTYPE, device=DEVICE).normal_()
+    gen = torch.Generator().manual_seed(0)
+    tiles = [TileConfig(16, 64, 4, 3), TileConfig(16, 64, 4, 2), TileConfig(16, 64, 4, 4), TileConfig(16, 32, 4, 4),
+             TileConfig(16, 32, 2, 4), TileConfig(16, 64, 2, 3), TileConfig(16, 128, 4, 2), TileConfig(16, 128, 8, 2),
+             TileConfig(16, 64, 8, 3), TileConfig(16, 128, 4, 3)]
+    variants = [("default", {})] + [(f"unsplit {tuple(c.__dict__.values())}", dict(force_splits=1, decode_config=c))
+                                    for c in tiles]
+    variants += [(f"{s} splits fused", dict(force_splits=s)) for s in (2, 4)]
+    variants += [("unified", dict(force_splits=0))]
+    print(f"device: {torch.cuda.get_device_name()}  W3 study, KV pool {2 * k_cache.numel() * 2 / 2**30:.2f} GiB")
+    rows = []
+    for label, lengths in shapes.items():
+        case = varied_case(lengths, num_blocks, max_blocks, gen)
+        ref = None
+        for name, kw in variants:
+            out = torch.zeros_like(case.query)
+            try:
+                secs, how = time_call(triton_impl(case, k_cache, v_cache, out, max_blocks, **kw), args.reps,
+                                      args.samples)
+            except Exception as exc:
+                print(f"  {label} {name}: failed ({exc.__class__.__name__}: {exc})")
+                continue
+            ref = out if ref is None else ref
+            diff = (out.float() - ref.float()).abs().max().item()
+            row = dict(kind="decode", batch=case.batch, ctx=case.ctx, impl=name, shape=label, us=secs * 1e6,
+                       gbps=case.bytes_moved / secs / 1e9, tflops=0.0, max_abs_diff=diff, note=how, timing=how)
+            rows.append(row)
+            print(f"{label:26s} {name:40s} {secs * 1e6:8.1f} us  {row['gbps']:6.0f} GB/s  diff {diff:.1e}",
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)

@@ -9,6 +9,7 @@ bottleneck). With `--kernels`, a torch.profiler pass over one more call adds the
 the same way by the step each kernel ran in, so attention, GEMMs and the rest can be weighed against the roofline.
 
     python examples/w3_timeline.py --shape qwen3-0.6b [--calls 2] [--kernels] [--piecewise-capture-sizes 1,2,...]
+        [--gated-gemm]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2, help="timed calls (after one warm-up call)")
     ap.add_argument("--scale", default="full", choices=tuple(SCALES))
     ap.add_argument("--piecewise-capture-sizes", default=None, help="comma-separated token counts")
+    ap.add_argument("--gated-gemm", action="store_true", help="AccelConfig(gated_gemm=True)")
     ap.add_argument("--kernels", action="store_true", help="one more call under torch.profiler: GPU time per kernel")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--device", default="cuda")
@@ -45,9 +47,10 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     model = build_model(a.shape, None, torch.bfloat16 if dev.type == "cuda" else torch.float32, dev, "none")
     disable_eos(model)
-    kw = {}
+    fields = {"gated_gemm": True} if a.gated_gemm else {}
     if a.piecewise_capture_sizes:
-        kw["config"] = AccelConfig(piecewise_capture_sizes=_ints(a.piecewise_capture_sizes))
+        fields["piecewise_capture_sizes"] = _ints(a.piecewise_capture_sizes)
+    kw = {"config": AccelConfig(**fields)} if fields else {}
     t0 = time.perf_counter()
     accelerate_model(model, **kw)
     info = engine_info(model)
@@ -55,6 +58,8 @@ def main() -> None:
           f"graph pool {info.get('graph_pool_bytes', 0) / 2**20:.0f} MiB; capture "
           f"{info.get('startup', {}).get('capture_s', 0):.2f} s; piecewise graph sizes above 512: "
           f"{[s for s in info.get('piecewise_graph_sizes', []) if s > 512]}")
+    if a.gated_gemm:
+        print(f"gated linears {info.get('gated_linears')}; decisions {(info.get('gated_gemm') or {}).get('decisions')}")
 
     spec = SCALES[a.scale]["w3"]
     lengths = spec.prompt_lengths()
