@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from hf_accel.engine.block_manager import BlockManager, hash_block
 from hf_accel.engine.request import PENDING_TOKEN, Request, RequestStatus
+from hf_accel.engine.runner import HostBlockTable
 from hf_accel.engine.scheduler import Scheduler
 
 ALPHABET = (3, 4, 5, 6)  # few distinct tokens: unrelated requests often share identical full blocks
@@ -94,6 +95,16 @@ def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Request]) ->
     assert not ({id(r) for r in sched.waiting} & set(running_ids)), "a request is both waiting and running"
 
 
+def check_block_table(table, reqs: list[Request]) -> None:
+    """The runner's kept block table (only what changed is written each step) equals one built from scratch: every
+    request's blocks in its row, zeros after them, as wide as the longest list."""
+    width = max((len(r.block_ids) for r in reqs), default=0)
+    assert table.shape == (len(reqs), width)
+    for i, req in enumerate(reqs):
+        want = req.block_ids + [0] * (width - len(req.block_ids))
+        assert table[i].tolist() == want, f"row {i} (request {req.request_id}): {table[i].tolist()} != {want}"
+
+
 def true_token(req: Request, p: int) -> int:
     """The token at position p, also while the host has not read it back (a pending token)."""
     tok = req.token_at(p)
@@ -125,6 +136,7 @@ def drive(bm: BlockManager, sched: Scheduler, arrivals: list[tuple[int, Request]
     step_no = 0
     preemptions = 0
     inflight: list[tuple[Request, int]] | None = None
+    host_table = HostBlockTable(sched.max_num_seqs, bm.num_blocks)  # what the runner packs, checked every step
     while pending or sched.has_work or inflight is not None:
         assert step_no < max_steps, "the scheduler does not converge"
         while pending and pending[0][0] <= step_no:
@@ -146,6 +158,7 @@ def drive(bm: BlockManager, sched: Scheduler, arrivals: list[tuple[int, Request]
             assert victim.block_ids == [] and victim.num_computed_tokens == 0
             assert victim.status == RequestStatus.WAITING
         check_invariants(bm, sched, [r for r in live if not r.is_finished])
+        check_block_table(host_table.build(step.requests), step.requests)
         for req, n in zip(step.requests, step.num_tokens, strict=True):
             assert req.status == RequestStatus.RUNNING and req in sched.running
             assert n >= 1 and req.num_computed_tokens + n <= req.num_tokens

@@ -107,6 +107,8 @@ class BlockManager:
         # only blocks whose token values the host knows (a pending token is hashed once it is read back)
         known = min(req.num_computed_tokens, req.num_known_tokens)
         num_full = min(known // self.block_size, len(req.block_ids))
+        if len(req.block_hashes) >= num_full:  # no block filled since the last commit (most steps)
+            return
         admitted = req.admitted_block_hashes  # the same chain over the blocks full at admission: hashed then
         while len(req.block_hashes) < num_full:
             i = len(req.block_hashes)

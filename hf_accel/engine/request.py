@@ -54,6 +54,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at the last admission
+    # KV blocks, in order. Only ever appended to, or replaced by a new list (release, reset): the runner's host
+    # block table (runner.HostBlockTable) copies only what was appended to a list it has seen
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
     # the same chain over the full blocks its tokens filled at its last admission: admission hashes them to look up

@@ -90,6 +90,44 @@ def capture_warmup_class(model: torch.nn.Module, *, small_m_gemm: bool,
 SPLIT_K_COUNTERS = 1 << 15
 
 
+class HostBlockTable:
+    """The host's block table, kept from step to step so that packing a step writes only what changed.
+
+    Row i mirrors the block list of the request packed in row i the last time (the list object itself, and how many
+    of its entries the row holds; the rest of the row is zero). A request's `block_ids` list only ever grows by
+    appending, or is replaced by a new list (a release, a preemption, a reset; see `Request.block_ids`), so a row
+    that sees the same list again copies only the blocks appended since: in steady decoding a row is written once
+    per `block_size` tokens, not every step.
+    """
+
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        self.table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
+        self._lists: list[list[int] | None] = [None] * max_num_seqs
+        self._filled = [0] * max_num_seqs
+
+    def build(self, reqs: list[Request]) -> np.ndarray:
+        """The step's block table `[len(reqs), widest block list]`, zero past each request's blocks: a view of the
+        kept table, valid until the next build."""
+        table, lists, filled = self.table, self._lists, self._filled
+        width = 0
+        for i, req in enumerate(reqs):
+            ids = req.block_ids
+            n = len(ids)
+            k = filled[i]
+            if lists[i] is ids and n >= k:
+                if n > k:
+                    table[i, k:n] = ids[k:]
+            else:  # another request in this row now, or the same one with a new list
+                table[i, :n] = ids
+                if k > n:
+                    table[i, n:k] = 0
+                lists[i] = ids
+            filled[i] = n
+            if n > width:
+                width = n
+        return table[: len(reqs), :width]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, max_num_seqs: int,
@@ -112,11 +150,18 @@ class ModelRunner:
         self.input_ids = torch.zeros(max_num_tokens, dtype=i64, device=dev)
         self.positions = torch.zeros(max_num_tokens, dtype=i64, device=dev)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=i64, device=dev)
-        self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=i32, device=dev)
-        self.seq_lens = torch.zeros(max_num_seqs, dtype=i32, device=dev)
-        self.context_lens = torch.zeros(max_num_seqs, dtype=i32, device=dev)
+        # query_start_loc, seq_lens and context_lens side by side in one buffer: one host-to-device copy fills all
+        # three (_put_seq_arrays)
+        s = max_num_seqs
+        self._seq_arrays = torch.zeros(3 * s + 1, dtype=i32, device=dev)
+        self.query_start_loc = self._seq_arrays[: s + 1]
+        self.seq_lens = self._seq_arrays[s + 1 : 2 * s + 1]
+        self.context_lens = self._seq_arrays[2 * s + 1 :]
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=i32, device=dev)
+        self._table_zero_from = 0  # every row of block_tables is zero from this column on (_upload)
         self.logits_indices = torch.zeros(max_num_seqs, dtype=i64, device=dev)
+        self._uploaded_logits_indices: np.ndarray | None = None  # what logits_indices holds (_upload skips a repeat)
+        self.host_block_table = HostBlockTable(max_num_seqs, max_blocks_per_seq)  # pack() fills it step by step
         # compiled forward and CUDA graphs, set up by enable_compilation() at warm-up
         self.dispatcher = None
         self.piecewise = None
@@ -141,9 +186,10 @@ class ModelRunner:
                 r.num_computed_tokens + 1 == r.num_tokens for r in step.requests):
             return self._pack_decode(step)
         bs = self.block_size
-        ids, pos, slots, qsl, seq_lens, tables, logits_idx, sampled = [], [], [], [0], [], [], [], []
+        table = self.host_block_table.build(step.requests)
+        ids, pos, slots, qsl, seq_lens, logits_idx, sampled = [], [], [], [0], [], [], []
         pending_rows, pending_reqs = [], []
-        for req, n in zip(step.requests, step.num_tokens):
+        for row, (req, n) in enumerate(zip(step.requests, step.num_tokens)):
             start = req.num_computed_tokens
             end = start + n
             toks = req.prompt_token_ids[start:end]
@@ -155,48 +201,43 @@ class ModelRunner:
                 toks = toks + [PENDING_TOKEN] * (n - len(toks))
             ids.append(np.asarray(toks, dtype=np.int64))
             p = np.arange(start, end, dtype=np.int64)
-            blocks = np.asarray(req.block_ids, dtype=np.int64)
             pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
+            slots.append(table[row, p // bs].astype(np.int64) * bs + p % bs)
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
-            tables.append(req.block_ids)
             if end == req.num_tokens:  # the prompt (or the last token) is complete: sample the next one
                 logits_idx.append(qsl[-1] - 1)
                 sampled.append(req)
         return StepInputs(
             input_ids=np.concatenate(ids), positions=np.concatenate(pos), slot_mapping=np.concatenate(slots),
             query_start_loc=np.asarray(qsl, dtype=np.int32), seq_lens=np.asarray(seq_lens, dtype=np.int32),
-            block_tables=self._block_table(tables), logits_indices=np.asarray(logits_idx, dtype=np.int64),
+            block_tables=table, logits_indices=np.asarray(logits_idx, dtype=np.int64),
             sampled=sampled, max_query_len=max(step.num_tokens), max_seq_len=max(seq_lens),
             pending_rows=pending_rows, pending_reqs=pending_reqs,
         )
 
     def _pack_decode(self, step: ScheduledStep) -> StepInputs:
-        """All requests decode one token: plain list comprehensions, no per-request numpy calls."""
+        """All requests decode one token: a few list comprehensions and vector operations, no numpy call per request.
+        In steady asynchronous decoding every token is still on the device: no token is looked up at all."""
         bs = self.block_size
         reqs = step.requests
-        positions = [r.num_computed_tokens for r in reqs]
-        ids = [r.token_at(p) for r, p in zip(reqs, positions)]
-        slots = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, positions)]
         n = len(reqs)
-        seq_lens = np.asarray(positions, dtype=np.int32) + 1
-        pending_rows = [i for i, r in enumerate(reqs) if r.num_pending_tokens] if PENDING_TOKEN in ids else []
+        positions = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        table = self.host_block_table.build(reqs)
+        slots = table[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = positions.astype(np.int32) + 1
+        if all([r.num_pending_tokens for r in reqs]):  # each one's last token is the previous step's, unread
+            ids = np.full(n, PENDING_TOKEN, dtype=np.int64)
+            pending_rows = list(range(n))
+        else:
+            ids = np.array([r.token_at(p) for r, p in zip(reqs, positions.tolist())], dtype=np.int64)
+            pending_rows = [i for i, r in enumerate(reqs) if r.num_pending_tokens]
         return StepInputs(
-            input_ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(positions, dtype=np.int64),
-            slot_mapping=np.asarray(slots, dtype=np.int64), query_start_loc=np.arange(n + 1, dtype=np.int32),
-            seq_lens=seq_lens, block_tables=self._block_table([r.block_ids for r in reqs]),
-            logits_indices=np.arange(n, dtype=np.int64), sampled=list(reqs), max_query_len=1,
-            max_seq_len=int(seq_lens.max()), pending_rows=pending_rows, pending_reqs=[reqs[i] for i in pending_rows],
+            input_ids=ids, positions=positions, slot_mapping=slots, query_start_loc=np.arange(n + 1, dtype=np.int32),
+            seq_lens=seq_lens, block_tables=table, logits_indices=np.arange(n, dtype=np.int64), sampled=list(reqs),
+            max_query_len=1, max_seq_len=int(seq_lens.max()), pending_rows=pending_rows,
+            pending_reqs=[reqs[i] for i in pending_rows],
         )
-
-    @staticmethod
-    def _block_table(tables: list[list[int]]) -> np.ndarray:
-        width = max(len(t) for t in tables)
-        table = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        return table
 
     def upload(self, inp: StepInputs, num_tokens_padded: int | None = None,
                num_seqs_padded: int | None = None) -> StepMetadata:
@@ -223,6 +264,10 @@ class ModelRunner:
             self.inputs_ready.record(torch.cuda.current_stream(self.device))
 
     def _upload(self, inp: StepInputs, num_tokens_padded: int | None, num_seqs_padded: int | None) -> StepMetadata:
+        """The copies of one step, as few as the step allows: a decode step whose tokens are all still on the device
+        sends no token ids (the previous step's tokens are copied on the device), the three per-sequence arrays go
+        in one copy, and logits_indices only when they changed (a run of decode steps of one batch size repeats
+        them). Steady decoding makes four host-to-device copies."""
         t, b = len(inp.input_ids), len(inp.seq_lens)
         tp, bp = num_tokens_padded or t, num_seqs_padded or b
         nonblocking = self.device.type == "cuda"
@@ -230,7 +275,8 @@ class ModelRunner:
         def put(name: str, dst: torch.Tensor, src: np.ndarray) -> None:
             dst.copy_(self._host_copy(name, src) if nonblocking else torch.from_numpy(src), non_blocking=nonblocking)
 
-        put("input_ids", self.input_ids[:t], inp.input_ids)
+        if len(inp.pending_rows) < t:
+            put("input_ids", self.input_ids[:t], inp.input_ids)
         if inp.pending_rows:
             self._feed_pending(inp)
         put("positions", self.positions[:t], inp.positions)
@@ -239,13 +285,12 @@ class ModelRunner:
             self.input_ids[t:tp].zero_()
             self.positions[t:tp].zero_()
             self.slot_mapping[t:tp].fill_(-1)
-        put("query_start_loc", self.query_start_loc[: b + 1], inp.query_start_loc)
-        put("seq_lens", self.seq_lens[:b], inp.seq_lens)
-        put("context_lens", self.context_lens[:b], inp.seq_lens - np.diff(inp.query_start_loc))
+        self._put_seq_arrays(inp.query_start_loc, inp.seq_lens, inp.seq_lens - np.diff(inp.query_start_loc))
         width = inp.block_tables.shape[1]
         put("block_tables", self.block_tables[:b, :width], inp.block_tables)
-        if width < self.max_blocks_per_seq:
-            self.block_tables[:b, width:].zero_()
+        if self._table_zero_from > width:  # columns some earlier, wider step wrote: zero them in every row
+            self.block_tables[:, width : self._table_zero_from].zero_()
+        self._table_zero_from = width
         if bp > b:  # graph-padded rows: one query token each past the real ones, nothing to read
             self.query_start_loc[b + 1 : bp + 1] = torch.arange(t + 1, t + 1 + bp - b, device=self.device,
                                                                  dtype=torch.int32).clamp(max=tp)
@@ -254,7 +299,11 @@ class ModelRunner:
             self.block_tables[b:bp].zero_()
         n = len(inp.logits_indices)
         if n:
-            put("logits_indices", self.logits_indices[:n], inp.logits_indices)
+            last = self._uploaded_logits_indices
+            if last is None or last.shape != inp.logits_indices.shape or not np.array_equal(last, inp.logits_indices):
+                self._uploaded_logits_indices = None  # unknown while the copy is being queued
+                put("logits_indices", self.logits_indices[:n], inp.logits_indices)
+                self._uploaded_logits_indices = inp.logits_indices.copy()
         return StepMetadata(
             num_tokens=t, num_seqs=b, max_query_len=inp.max_query_len, max_seq_len=inp.max_seq_len,
             block_size=self.block_size, query_start_loc=self.query_start_loc[: bp + 1], seq_lens=self.seq_lens[:bp],
@@ -262,6 +311,29 @@ class ModelRunner:
             slot_mapping=self.slot_mapping[:tp],
             query_lens_cpu=np.diff(inp.query_start_loc).tolist(), seq_lens_cpu=inp.seq_lens.tolist(),
         )
+
+    def _put_seq_arrays(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, context_lens: np.ndarray) -> None:
+        """query_start_loc, seq_lens and context_lens into their shared device buffer in one copy. On CUDA the copy
+        spans from the buffer's start to the last context length: the entries between the three arrays' used parts
+        carry whatever the host mirror held there, past the step's sequences, where nothing reads (graph-padded
+        rows are set after this copy). On CPU the device buffer is written in place."""
+        b, s = len(seq_lens), self.max_num_seqs
+        nonblocking = self.device.type == "cuda"
+        if nonblocking:
+            host = self._host_mirrors.get("_seq_arrays")
+            if host is None:
+                # zeros, not empty: the copy also carries the entries between the used parts (never garbage)
+                host = self._host_mirrors["_seq_arrays"] = torch.zeros(self._seq_arrays.numel(), dtype=torch.int32,
+                                                                       pin_memory=True)
+        else:
+            host = self._seq_arrays
+        arr = host.numpy()
+        arr[: b + 1] = query_start_loc
+        arr[s + 1 : s + 1 + b] = seq_lens
+        arr[2 * s + 1 : 2 * s + 1 + b] = context_lens
+        if nonblocking:
+            end = 2 * s + 1 + b
+            self._seq_arrays[:end].copy_(host[:end], non_blocking=True)
 
     def _host_copy(self, name: str, src: np.ndarray) -> torch.Tensor:
         """`src` in this buffer's pinned host mirror (allocated once, as large as the device buffer), ready for an

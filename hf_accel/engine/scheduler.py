@@ -80,29 +80,37 @@ class Scheduler:
         step.preempted.append(req)
         return req
 
+    def _make_room(self, req: Request, num_tokens: int, step: ScheduledStep) -> bool:
+        """Blocks for `num_tokens` of the running `req`, preempting the most recently admitted requests until they
+        fit. False when `req` itself had to go (it was the last one running)."""
+        while not self.block_manager.ensure(req, num_tokens):
+            if self._preempt_last(step) is req:
+                return False
+        return True
+
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
+        bs = bm.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_pending_tokens and req.num_generated >= req.max_new_tokens:
+            # the Request properties num_generated and num_tokens, inlined: this loop runs over every running request
+            generated = len(req.output_token_ids) + req.num_pending_tokens
+            if req.num_pending_tokens and generated >= req.max_new_tokens:
                 i += 1  # its last token is still on the device: nothing left to compute, it finishes when read
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not bm.ensure(req, req.num_computed_tokens + n):
-                victim = self._preempt_last(step)
-                if victim is req:
-                    break
-            else:
-                step.requests.append(req)
-                step.num_tokens.append(n)
-                budget -= n
-                i += 1
-                continue
-            break  # req itself was preempted: it was the last running one
+            n = min(len(req.prompt_token_ids) + generated - req.num_computed_tokens, budget)
+            end = req.num_computed_tokens + n
+            # most decode steps fit the blocks the request holds: no BlockManager call
+            if end > len(req.block_ids) * bs and not self._make_room(req, end, step):
+                break  # req itself was preempted: it was the last running one
+            step.requests.append(req)
+            step.num_tokens.append(n)
+            budget -= n
+            i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not step.preempted:
             req = self.waiting[0]
