@@ -1056,6 +1056,12 @@ def test_full_mode_mixed_steps_gather_each_sequences_last_token():
     lens = ModelRunner.full_capture_query_lens(BatchKey(b, False), runner.max_model_len)
     assert lens == [32, 32, 3]
     runner.upload(runner.dummy_inputs(lens), b, b)
+    # and so does a piecewise graph's capture step (the large piecewise sizes reach 8,192 tokens, a context may be
+    # 512: as one sequence its block table was wider than the buffer and the whole capture failed)
+    assert ModelRunner.prefill_query_lens(b, runner.max_model_len) == lens
+    runner.upload(runner.dummy_inputs(ModelRunner.prefill_query_lens(b, runner.max_model_len)))
+    with pytest.raises(RuntimeError):  # what the capture step did before, and what must not happen again
+        runner.upload(runner.dummy_inputs([b]))
 
     one_each = runner.dummy_inputs([1, 1, 1])  # one token each, but the middle one is a mid-prompt chunk
     one_each.logits_indices = np.array([0, 2], dtype=np.int64)
@@ -1174,11 +1180,14 @@ def test_upload_never_rewrites_a_host_mirror_a_pending_copy_reads(device):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the copies below
     runner.upload(first)
     seen = runner.input_ids[:3].clone()  # queued after the first upload's copies
+    seen_lens = (runner.query_start_loc[:2].clone(), runner.seq_lens[:1].clone())  # the shared per-sequence copy
     runner.upload(second)
     if device == "cuda":
         torch.cuda.synchronize()
     assert seen.tolist() == [100, 101, 102]
+    assert [t.tolist() for t in seen_lens] == [[0, 3], [3]]
     assert runner.input_ids[:5].tolist() == list(range(200, 205))
+    assert runner.query_start_loc[:2].tolist() == [0, 5] and runner.seq_lens[:1].tolist() == [5]
 
     broken = runner.dummy_inputs([2])
     broken.pending_rows, broken.pending_src = [1], [0]  # a pending token with no previous step's tokens

@@ -318,6 +318,8 @@ class ModelRunner:
         carry whatever the host mirror held there, past the step's sequences, where nothing reads (graph-padded
         rows are set after this copy). On CPU the device buffer is written in place."""
         b, s = len(seq_lens), self.max_num_seqs
+        if b > s:  # the three arrays share one buffer: more rows would run into the next one
+            raise RuntimeError(f"internal error: a step of {b} sequences, more than max_num_seqs={s}")
         nonblocking = self.device.type == "cuda"
         if nonblocking:
             host = self._host_mirrors.get("_seq_arrays")
@@ -468,11 +470,14 @@ class ModelRunner:
         info: dict = {"compile_s": 0.0, "capture_s": 0.0, "graph_pool_bytes": 0, "compile_cache": None}
         self._pdl = pdl
         on_cuda = self.device.type == "cuda"
-        sizes = [s for s in capture_sizes if s <= self.max_num_tokens]
-        mixed = [s for s in mixed_capture_sizes if s <= self.max_num_tokens] if mixed_capture_sizes else None
+        # no step holds more tokens than the budget, nor more than max_num_seqs sequences of at most max_model_len
+        # tokens each: a larger size would never replay, and its dummy step would not fit the metadata buffers
+        most = min(self.max_num_tokens, self.max_num_seqs * self.max_model_len)
+        sizes = [s for s in capture_sizes if s <= most]
+        mixed = [s for s in mixed_capture_sizes if s <= most] if mixed_capture_sizes else None
         if mixed == []:
             logger.warning("hf_accel: no piecewise_capture_sizes fit %d tokens per step; steps holding a prefill "
-                           "chunk run without CUDA graphs", self.max_num_tokens)
+                           "chunk run without CUDA graphs", most)
         self.dispatcher = CUDAGraphDispatcher(mode, sizes, self.backend.cudagraph_support,
                                               piecewise_available=compile,
                                               full_capture_sizes=[s for s in sizes if s <= self.max_num_seqs],
@@ -536,7 +541,8 @@ class ModelRunner:
         metas: dict = {}
 
         def run_piece(t: int):
-            meta = self.upload(self.dummy_inputs([t]))
+            # sequences no longer than the model's context (a piece larger than it is a step of several prompts)
+            meta = self.upload(self.dummy_inputs(self.prefill_query_lens(t, self.max_model_len)))
             self.backend.prepare(meta)
             with forward_context(self.context(meta)):
                 return self.piecewise(self.input_ids[:t][None], self.positions[:t][None], self.logits_indices[:1])
@@ -716,8 +722,13 @@ class ModelRunner:
         b = key.num_tokens
         if key.uniform_decode or b == 1:
             return [1] * b
+        return ModelRunner.prefill_query_lens(b, max_model_len)
+
+    @staticmethod
+    def prefill_query_lens(num_tokens: int, max_model_len: int) -> list[int]:
+        """A dummy step of `num_tokens` prefill tokens as sequences of at most `max_model_len` tokens each."""
         step = max(1, max_model_len)
-        return [min(step, b - i) for i in range(0, b, step)]
+        return [min(step, num_tokens - i) for i in range(0, num_tokens, step)]
 
     def _compiled_forward(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Dispatch FULL / PIECEWISE / NONE: (logits, their greedy tokens where a full graph computed them), or
