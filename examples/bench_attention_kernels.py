@@ -111,13 +111,17 @@ def time_call(fn: Callable[[], object], reps: int, samples: int) -> tuple[float,
 
 
 def triton_impl(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, max_blocks: int,
-                force_splits: int | None = None, unified_config=None, decode_config=None) -> Callable[[], None]:
+                force_splits: int | None = None, unified_config=None, decode_config=None,
+                longest_first: bool = False) -> Callable[[], None]:
+    """`longest_first`: unsplit decode launches take the sequences longest first (the engine's default); off here
+    unless asked, so that the tile and split figures stay comparable with earlier runs."""
     from hf_accel.attention.triton_backend import TritonAttentionBackend
 
     spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE)
     be = TritonAttentionBackend(spec, torch.device(DEVICE), BLOCK_SIZE, 256, 8192, max_blocks,
                                 num_kv_splits=force_splits)
     be.unified_config, be.decode_config = unified_config, decode_config
+    be.longest_first = longest_first
     be.prepare(case.meta)
     scale = HEAD_DIM**-0.5
     return lambda: be.forward(case.query, k_cache, v_cache, case.meta, out, scale, 0, 0.0)
@@ -428,8 +432,10 @@ def w3_study(args: argparse.Namespace) -> int:
     tiles = [TileConfig(16, 64, 4, 3), TileConfig(16, 64, 4, 2), TileConfig(16, 64, 4, 4), TileConfig(16, 32, 4, 4),
              TileConfig(16, 32, 2, 4), TileConfig(16, 64, 2, 3), TileConfig(16, 128, 4, 2), TileConfig(16, 128, 8, 2),
              TileConfig(16, 64, 8, 3), TileConfig(16, 128, 4, 3)]
-    variants = [("default", {})] + [(f"unsplit {tuple(c.__dict__.values())}", dict(force_splits=1, decode_config=c))
-                                    for c in tiles]
+    variants = [("default", {}), ("default, longest first", dict(longest_first=True))]
+    variants += [(f"unsplit {tuple(c.__dict__.values())}", dict(force_splits=1, decode_config=c)) for c in tiles]
+    variants += [(f"unsplit {tuple(c.__dict__.values())} longest first",
+                  dict(force_splits=1, decode_config=c, longest_first=True)) for c in tiles[:4]]
     variants += [(f"{s} splits fused", dict(force_splits=s)) for s in (2, 4)]
     variants += [("unified", dict(force_splits=0))]
     print(f"device: {torch.cuda.get_device_name()}  W3 study, KV pool {2 * k_cache.numel() * 2 / 2**30:.2f} GiB")

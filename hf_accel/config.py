@@ -138,6 +138,11 @@ class AccelConfig:
     # output itself; split over more programs where the batch alone would leave SMs idle. False: decode batches too
     # wide to split run the unified kernel, as before this option (the A/B)
     decode_attention_kernel: bool = True
+    # the decode kernel's unsplit launches (wide decode batches) take their sequences longest context first: the
+    # GPU runs such a launch in several waves of programs, and in batch order a long context could start in the last
+    # wave and run alone while the other SMs idle (W3: 256 contexts of 356-1,536 tokens). The host sorts the step's
+    # lengths (it knows them) and copies the order with the step. False: batch order, as before (the A/B)
+    decode_longest_first: bool = True
     # every full decode CUDA graph ends with the greedy argmax of its logits (one Triton launch, ops/greedy.py); the
     # sampler takes those tokens when every request of the step is plain greedy, and computes its own otherwise.
     # False: the sampler's torch.argmax after the graph, as before this option (the A/B)

@@ -413,6 +413,37 @@ def test_unsplit_decode_kernel(dtype, window, softcap, pad_seqs):
         step.meta.slot_mapping[2] = -1
 
 
+@pytest.mark.parametrize("pad_seqs", [0, 3])
+def test_unsplit_decode_longest_first(pad_seqs):
+    """Unsplit decode launches take the sequences longest first: the order buffer holds the step's sequences by
+    descending length (ties in batch order), then the identity (padded rows included). Which program takes which
+    sequence changes nothing: the output and the K/V the launch writes are bitwise the batch-order launch's. A
+    smaller step after it, already in order, puts the identity back; a step in order on an identity buffer writes
+    nothing."""
+    step = make_step([1] * 5, [40, 3, 129, 40, 70], pad_seqs=pad_seqs, pad_tokens=pad_seqs, seed=34)
+    scale = step.query.shape[-1] ** -0.5
+    ordered = make_backend(step, num_kv_splits=1, decode_block_n=16)
+    plain = make_backend(step, num_kv_splits=1, decode_block_n=16)
+    plain.longest_first = False  # the A/B switch (AccelConfig.decode_longest_first)
+    got_caches, want_caches = [], []
+    got = run_triton(step, ordered, scale, 0, 0.0, caches=got_caches)
+    total = ordered._seq_order.numel()
+    assert ordered._seq_order.tolist() == [2, 4, 0, 3, 1] + list(range(5, total))
+    want = run_triton(step, plain, scale, 0, 0.0, caches=want_caches)
+    assert plain._seq_order.tolist() == list(range(total))  # never written
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    for g, w in zip(got_caches, want_caches, strict=True):
+        assert torch.equal(g.nan_to_num(123.0), w.nan_to_num(123.0))
+    check(step, ordered)
+
+    in_order = make_step([1] * 3, [90, 41, 2], seed=35)
+    check(in_order, ordered)
+    assert ordered._seq_order.tolist() == list(range(total)) and ordered._seq_order_identity
+    ordered._seq_order.fill_(-1)  # an identity buffer is not rewritten for a step already in order
+    run_triton(in_order, ordered, scale, 0, 0.0)
+    assert (ordered._seq_order == -1).all()
+
+
 def test_split_kv_decode_one_tile_contexts_write_directly():
     """With the merge fused, a sequence whose keys fit one tile has one split with keys, which writes its output row
     itself (no partial, no ticket): the same result as the merge kernel over its partials, counters untouched."""
@@ -557,8 +588,9 @@ def test_gpu_window_softcap_bf16(window, softcap):
     check(dec, make_backend(dec, max_num_seqs=256), window=window, softcap=softcap)
 
 
-def _graph_replay(step_a: Step, step_b: Step, be: TritonAttentionBackend) -> torch.Tensor:
-    """Capture the layer (write_kv_and_forward) on step A's buffers, load step B into them, replay; B's output."""
+def _graph_replay(step_a: Step, step_b: Step, be: TritonAttentionBackend, prepare_b: bool = False) -> torch.Tensor:
+    """Capture the layer (write_kv_and_forward) on step A's buffers, load step B into them, replay; B's output.
+    `prepare_b`: the backend prepares B before the replay, as the runner does before every replay."""
     meta = step_a.meta
     bufs = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if isinstance(getattr(meta, f.name),
                                                                                        torch.Tensor)}
@@ -586,6 +618,8 @@ def _graph_replay(step_a: Step, step_b: Step, be: TritonAttentionBackend) -> tor
     v.copy_(step_b.value)
     kc.copy_(step_b.k_cache)
     vc.copy_(step_b.v_cache)
+    if prepare_b:
+        be.prepare(step_b.meta)
     graph.replay()
     torch.cuda.synchronize()
     return out
@@ -624,6 +658,24 @@ def test_gpu_cuda_graph_replay_decode(splits):
     if splits is None:
         assert be.splits_for_step(a.meta) > 1
     _check_replay(a, b, be)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_replay_decode_longest_first():
+    """The unsplit decode launch captured with one step's order replays correctly after the next step's prepare()
+    wrote another order (other lengths, other padding) into the buffer it reads."""
+    common = dict(num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    a = make_step([1] * 6, [100, 5000, 17, 3000, 64, 900], pad_seqs=2, pad_tokens=2, seed=5, **common)
+    b = make_step([1] * 7, [30, 2, 700, 12000, 12000, 5, 2500], pad_seqs=1, pad_tokens=1, seed=6, **common)
+    _same_buffer_shapes(a, b)
+    be = make_backend(a, num_kv_splits=1, max_num_seqs=8)
+    out = _graph_replay(a, b, be, prepare_b=True)
+    assert be._seq_order[:7].tolist() == [3, 4, 6, 2, 0, 5, 1]
+    ref = reference(b, b.query.shape[-1] ** -0.5, 0, 0.0)
+    n = b.meta.num_tokens
+    torch.testing.assert_close(out[:n].float(), ref.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
 
 
 @pytest.mark.gpu

@@ -193,6 +193,9 @@ class AttentionBackend:
         # uniform decode steps of any batch size run a decode-only kernel where the backend has one
         # (AccelConfig.decode_attention_kernel; the engine sets it)
         self.decode_kernel = True
+        # a wide decode batch's attention programs start with the longest contexts, where the backend can order
+        # them (AccelConfig.decode_longest_first; the engine sets it)
+        self.longest_first = True
 
     def prepare(self, meta: StepMetadata) -> None:
         """Once per step, before the forward (and outside any CUDA graph capture): build backend state."""

@@ -102,6 +102,13 @@ class TritonAttentionBackend(AttentionBackend):
                                            dtype=torch.int32, device=device)
         self._planned_meta: StepMetadata | None = None
         self._planned_splits = 0
+        # unsplit decode launches take their sequences in this order (longest first; `_order_longest_first`). It
+        # always holds a permutation of range(n) in its first n entries for every n (identity to start with, and
+        # each write covers the step's padded batch), so a launch of any batch size reads a valid order
+        self._seq_order = torch.arange(max(max_num_seqs, 1), dtype=torch.int32, device=device)
+        self._seq_order_host: torch.Tensor | None = None  # pinned staging buffer (CUDA), allocated on first use
+        self._seq_order_copied: torch.cuda.Event | None = None  # the last copy out of the staging buffer
+        self._seq_order_identity = True  # what the device buffer holds now
 
     def _num_splits_for(self, num_seqs: int) -> int:
         """Split count for a decode batch of `num_seqs` (padded) sequences: >= 1 the decode kernel with that many
@@ -142,6 +149,35 @@ class TritonAttentionBackend(AttentionBackend):
         """
         self._planned_meta = meta
         self._planned_splits = self.splits_for_step(meta)
+        if self._planned_splits == 1 and self.longest_first:
+            self._order_longest_first(meta)
+
+    def _order_longest_first(self, meta: StepMetadata) -> None:
+        """Write the order in which the unsplit decode launch takes the step's sequences: longest first, padded rows
+        last. A wide decode batch runs several waves of programs; launched in batch order, the longest contexts
+        may start in the last wave and run while the rest of the GPU idles. Already in that order (equal lengths, as
+        in a batch of one prompt length): the identity, written only if the buffer holds something else."""
+        lens = meta.seq_lens_cpu
+        n = len(lens)
+        order = sorted(range(n), key=lens.__getitem__, reverse=True)  # stable: ties keep batch order
+        identity = order == list(range(n))
+        if identity and self._seq_order_identity:
+            return
+        total = self._seq_order.numel()
+        # past the step's padded batch the identity too: a later, larger launch without a write reads a permutation
+        values = (list(range(total)) if identity else order + list(range(n, total)))
+        if self._seq_order.device.type != "cuda":
+            self._seq_order.copy_(torch.tensor(values, dtype=torch.int32))
+        else:
+            if self._seq_order_host is None:
+                self._seq_order_host = torch.empty(total, dtype=torch.int32, pin_memory=True)
+            elif self._seq_order_copied is not None:
+                self._seq_order_copied.synchronize()  # the previous copy has left the staging buffer (long since)
+            self._seq_order_host.numpy()[:] = values
+            self._seq_order.copy_(self._seq_order_host, non_blocking=True)
+            self._seq_order_copied = torch.cuda.Event()
+            self._seq_order_copied.record(torch.cuda.current_stream(self._seq_order.device))
+        self._seq_order_identity = identity
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: StepMetadata) -> None:
@@ -176,6 +212,7 @@ class TritonAttentionBackend(AttentionBackend):
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
                 self.use_pdl, self._merge_counters if self.fused_split_reductions else None, new_kv,
+                self._seq_order if splits == 1 and self.longest_first else None,
             )
         else:
             self._unified.unified_attention(

@@ -206,6 +206,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--decode-attention-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="the triton backend's decode kernel for every decode batch (default: on); "
                         "--no-decode-attention-kernel runs wide decode batches through the unified kernel")
+    a.add_argument("--decode-longest-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="a wide decode batch's attention programs start with the longest contexts (default: on); "
+                        "--no-decode-longest-first launches them in batch order")
     a.add_argument("--graph-greedy-argmax", action=argparse.BooleanOptionalAction, default=None,
                    help="full decode graphs end with the greedy argmax (default: on); --no-graph-greedy-argmax "
                         "leaves it to the sampler after the graph")

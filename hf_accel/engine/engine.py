@@ -172,6 +172,7 @@ class LLMEngine:
         self.backend.use_pdl = self.use_pdl
         self.backend.fused_split_reductions = cfg.fused_split_reductions
         self.backend.decode_kernel = cfg.decode_attention_kernel
+        self.backend.longest_first = cfg.decode_longest_first
         mixed_sizes = cfg.piecewise_capture_sizes
         if (cfg._piecewise_sizes_derived and mixed_sizes and cfg.compile
                 and cfg.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE):  # resolved: an enum member

@@ -48,7 +48,7 @@ TARGET_PROGRAMS_PER_SM = 4
 @triton.jit(do_not_specialize=["window", "num_splits"])
 def _split_kv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr,
-    block_tables_ptr, out_ptr, counters_ptr, new_k_ptr, new_v_ptr, slot_mapping_ptr,
+    block_tables_ptr, out_ptr, counters_ptr, new_k_ptr, new_v_ptr, slot_mapping_ptr, seq_order_ptr,
     scale, softcap, window, num_splits,
     stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -57,17 +57,27 @@ def _split_kv_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, WRITE_KV: tl.constexpr, IS_SPLIT: tl.constexpr, GROUP_PAD: tl.constexpr,
-    MERGE_SPLITS: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """IS_SPLIT off: one program per (sequence, KV head) over all its keys, writing the output row itself (rows are
     sequences). On: `num_splits` programs per pair; where only one of them gets keys (a context of one tile) and the
-    merge is fused, it too writes the output row directly."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    merge is fused, it too writes the output row directly. ORDERED (unsplit only): a 1-D grid, program `p` takes KV
+    head `p % NUM_KV_HEADS` of sequence `seq_order[p // NUM_KV_HEADS]`."""
+    pid = tl.program_id(0)
+    if ORDERED:
+        kv_head = pid % NUM_KV_HEADS
+        order_index = pid // NUM_KV_HEADS
+    else:
+        kv_head = tl.program_id(1)
+        order_index = pid
     split = tl.program_id(2)
     if USE_PDL:  # the query, the KV just written and the scratch the last merge read belong to earlier kernels
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + order_index)
+    else:
+        seq = order_index
     seq_len = tl.load(seq_lens_ptr + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -279,7 +289,8 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     scale: float, sliding_window: int, softcap: float, num_splits: int,
                     part_out: torch.Tensor, part_lse: torch.Tensor, config: TileConfig | None = None,
                     use_pdl: bool = False, counters: torch.Tensor | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    seq_order: torch.Tensor | None = None) -> None:
     """Decode attention (each sequence's last query row against its KV) with KV split `num_splits` ways.
 
     `part_out` (float32, >= `num_seqs * num_splits * H * D` elements) and `part_lse` (float32, >= `num_seqs *
@@ -297,6 +308,12 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     `new_kv` = (key, value `[T, Hkv, D]` contiguous in D, slot_mapping): the step's new rows, to be written into the
     cache first (rows with a negative slot are skipped): by a fused or unsplit launch itself (module docstring), else
     by the KV write kernel before the attention.
+
+    `seq_order` (int32, a permutation of `range(num_seqs)` in its first `num_seqs` entries; unsplit launches only):
+    the order in which sequences' programs are launched, longest first where the caller sorted them. The GPU starts
+    programs in launch order, so with contexts of mixed lengths the longest ones no longer run alone at the end of
+    the launch (a wide decode batch runs several waves of programs). Which program takes which sequence changes
+    nothing else: each writes its own sequence's row.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -334,10 +351,15 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     new_k, new_v, slots = new_kv if write else (query, query, seq_lens)
     if write:
         assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and slots.shape[0] >= num_tokens
+    ordered = single and seq_order is not None
+    if ordered:
+        assert seq_order.dtype == torch.int32 and seq_order.numel() >= num_seqs, "seq_order: int32, one per sequence"
+    grid = (num_seqs * num_kv_heads, 1, 1) if ordered else (num_seqs, num_kv_heads, num_splits)
 
-    launcher(_split_kv_decode_kernel, (num_seqs, num_kv_heads, num_splits), writes=(output,))(
+    launcher(_split_kv_decode_kernel, grid, writes=(output,))(
         query, k_cache, v_cache, po, pl, query_start_loc, seq_lens, block_tables, output,
-        counters if fused else pl, new_k, new_v, slots, float(scale), float(softcap), int(sliding_window), num_splits,
+        counters if fused else pl, new_k, new_v, slots, seq_order if ordered else seq_lens,
+        float(scale), float(softcap), int(sliding_window), num_splits,
         query.stride(0), query.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -347,7 +369,8 @@ def split_kv_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         SPLITS_PAD=triton.next_power_of_2(num_splits), GROUP_PAD=triton.next_power_of_2(group),
         MERGE_SPLITS=merge_chunk(num_splits, group, head_dim_pad),
         USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0, DOT_PRECISION=dot_precision(query.dtype),
-        USE_PDL=use_pdl, FUSED_MERGE=fused, WRITE_KV=write, IS_SPLIT=not single, num_warps=cfg.num_warps,
+        USE_PDL=use_pdl, FUSED_MERGE=fused, WRITE_KV=write, IS_SPLIT=not single, ORDERED=ordered,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_kwargs(use_pdl),
     )
     if fused or single:
