@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import pytest
 from conftest import compute_all, make_request
 from hypothesis import HealthCheck, given, settings
@@ -391,3 +392,14 @@ def test_uncached_blocks_reused_before_cached_ones_and_eviction_forgets_hash():
     assert bm.block_hash[cached_block] is None and not bm.cached
     bm.release(c)
     assert bm.admit(make_request(5, [3, 4, 5])) == 0
+
+
+def test_host_block_table_rejects_a_position_past_a_rows_blocks():
+    """A wider row pads the others with zeros; a position past a row's own blocks must raise, not map to block 0."""
+    a, b = make_request(1, [5] * 40), make_request(2, [5] * 10)
+    a.block_ids, b.block_ids = [3, 4, 5], [7]
+    table = HostBlockTable(4, 8)
+    assert table.build([a, b]).tolist() == [[3, 4, 5], [7, 0, 0]]
+    table.covers(np.array([47, 15]), 16)  # the last slot of each row's blocks
+    with pytest.raises(RuntimeError, match="row 1 .* past its 1 KV blocks"):
+        table.covers(np.array([40, 16]), 16)

@@ -436,6 +436,25 @@ def test_unsplit_decode_longest_first(pad_seqs):
         assert torch.equal(g.nan_to_num(123.0), w.nan_to_num(123.0))
     check(step, ordered)
 
+    # the launch reads the order: with every entry 0 only sequence 0's programs run (the other rows stay NaN)
+    ordered.prepare(step.meta)
+    ordered._seq_order.fill_(0)
+    out = torch.full_like(step.query, float("nan"))
+    ordered.forward(step.query, step.k_cache.nan_to_num(0.0), step.v_cache.nan_to_num(0.0), step.meta, out, scale,
+                    0, 0.0)
+    assert not out[0].isnan().any() and out[1:5].isnan().all()
+    # a launch for a step prepare() did not plan takes batch order: a smaller batch never reads the order written
+    # for a larger one (it may hold indices past its own sequences)
+    ordered.prepare(step.meta)
+    small = make_step([1] * 2, [3, 40], seed=36)
+    check(small, ordered, meta=small.meta)  # check() prepares; then forward without prepare() below
+    ordered.prepare(step.meta)
+    out = torch.full_like(small.query, float("nan"))
+    kc, vc = small.k_cache.clone(), small.v_cache.clone()
+    ordered.write_kv(small.key, small.value, kc, vc, small.meta)
+    ordered.forward(small.query, kc, vc, small.meta, out, scale, 0, 0.0)
+    matches_reference(small, out, scale)
+
     in_order = make_step([1] * 3, [90, 41, 2], seed=35)
     check(in_order, ordered)
     assert ordered._seq_order.tolist() == list(range(total)) and ordered._seq_order_identity

@@ -102,9 +102,10 @@ class TritonAttentionBackend(AttentionBackend):
                                            dtype=torch.int32, device=device)
         self._planned_meta: StepMetadata | None = None
         self._planned_splits = 0
-        # unsplit decode launches take their sequences in this order (longest first; `_order_longest_first`). It
-        # always holds a permutation of range(n) in its first n entries for every n (identity to start with, and
-        # each write covers the step's padded batch), so a launch of any batch size reads a valid order
+        # unsplit decode launches take their sequences in this order (longest first; `_order_longest_first`),
+        # written by prepare() for the step it plans: the step's sequences, then the identity. Only a launch for
+        # the planned step reads it (a smaller batch could find indices past its own there); any other launch
+        # takes batch order
         self._seq_order = torch.arange(max(max_num_seqs, 1), dtype=torch.int32, device=device)
         self._seq_order_host: torch.Tensor | None = None  # pinned staging buffer (CUDA), allocated on first use
         self._seq_order_copied: torch.cuda.Event | None = None  # the last copy out of the staging buffer
@@ -212,7 +213,7 @@ class TritonAttentionBackend(AttentionBackend):
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
                 self.use_pdl, self._merge_counters if self.fused_split_reductions else None, new_kv,
-                self._seq_order if splits == 1 and self.longest_first else None,
+                self._seq_order if splits == 1 and self.longest_first and self._planned_meta is meta else None,
             )
         else:
             self._unified.unified_attention(

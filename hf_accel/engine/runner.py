@@ -104,6 +104,9 @@ class HostBlockTable:
         self.table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
         self._lists: list[list[int] | None] = [None] * max_num_seqs
         self._filled = [0] * max_num_seqs
+        # blocks each row of the last build holds: `covers` checks a step's positions against them (a row's zeros
+        # past its blocks would otherwise map a position past them to the null block without a word)
+        self.row_blocks = np.zeros(max_num_seqs, dtype=np.int64)
 
     def build(self, reqs: list[Request]) -> np.ndarray:
         """The step's block table `[len(reqs), widest block list]`, zero past each request's blocks: a view of the
@@ -125,7 +128,17 @@ class HostBlockTable:
             filled[i] = n
             if n > width:
                 width = n
+        self.row_blocks[: len(reqs)] = filled[: len(reqs)]
         return table[: len(reqs), :width]
+
+    def covers(self, last_positions: np.ndarray, block_size: int) -> None:
+        """Raise unless each row's blocks (of the last build) hold its last position of the step: the scheduler
+        gives every request the blocks of the tokens it schedules, and a step must never write past them."""
+        n = len(last_positions)
+        if (last_positions // block_size >= self.row_blocks[:n]).any():
+            bad = int(np.argmax(last_positions // block_size >= self.row_blocks[:n]))
+            raise RuntimeError(f"internal error: row {bad} of the step reaches position {int(last_positions[bad])}, "
+                               f"past its {int(self.row_blocks[bad])} KV blocks")
 
 
 class ModelRunner:
@@ -208,6 +221,7 @@ class ModelRunner:
             if end == req.num_tokens:  # the prompt (or the last token) is complete: sample the next one
                 logits_idx.append(qsl[-1] - 1)
                 sampled.append(req)
+        self.host_block_table.covers(np.asarray(seq_lens, dtype=np.int64) - 1, bs)
         return StepInputs(
             input_ids=np.concatenate(ids), positions=np.concatenate(pos), slot_mapping=np.concatenate(slots),
             query_start_loc=np.asarray(qsl, dtype=np.int32), seq_lens=np.asarray(seq_lens, dtype=np.int32),
@@ -224,6 +238,7 @@ class ModelRunner:
         n = len(reqs)
         positions = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
         table = self.host_block_table.build(reqs)
+        self.host_block_table.covers(positions, bs)
         slots = table[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = positions.astype(np.int32) + 1
         if all([r.num_pending_tokens for r in reqs]):  # each one's last token is the previous step's, unread
