@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from hf_accel.attention.backend import AttentionBackend, AttentionSpec, CUDAGraphSupport
@@ -107,6 +108,7 @@ class TritonAttentionBackend(AttentionBackend):
         # the planned step reads it (a smaller batch could find indices past its own there); any other launch
         # takes batch order
         self._seq_order = torch.arange(max(max_num_seqs, 1), dtype=torch.int32, device=device)
+        self._identity_order = np.arange(self._seq_order.numel(), dtype=np.int32)
         self._seq_order_host: torch.Tensor | None = None  # pinned staging buffer (CUDA), allocated on first use
         self._seq_order_copied: torch.cuda.Event | None = None  # the last copy out of the staging buffer
         self._seq_order_identity = True  # what the device buffer holds now
@@ -158,23 +160,22 @@ class TritonAttentionBackend(AttentionBackend):
         last. A wide decode batch runs several waves of programs; launched in batch order, the longest contexts
         may start in the last wave and run while the rest of the GPU idles. Already in that order (equal lengths, as
         in a batch of one prompt length): the identity, written only if the buffer holds something else."""
-        lens = meta.seq_lens_cpu
+        lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
         n = len(lens)
-        order = sorted(range(n), key=lens.__getitem__, reverse=True)  # stable: ties keep batch order
-        identity = order == list(range(n))
+        identity = bool((lens[1:] <= lens[:-1]).all())  # already longest first
         if identity and self._seq_order_identity:
             return
-        total = self._seq_order.numel()
-        # past the step's padded batch the identity too: a later, larger launch without a write reads a permutation
-        values = (list(range(total)) if identity else order + list(range(n, total)))
-        if self._seq_order.device.type != "cuda":
-            self._seq_order.copy_(torch.tensor(values, dtype=torch.int32))
-        else:
+        on_cuda = self._seq_order.device.type == "cuda"
+        if on_cuda:
             if self._seq_order_host is None:
-                self._seq_order_host = torch.empty(total, dtype=torch.int32, pin_memory=True)
+                self._seq_order_host = torch.empty(self._seq_order.numel(), dtype=torch.int32, pin_memory=True)
             elif self._seq_order_copied is not None:
                 self._seq_order_copied.synchronize()  # the previous copy has left the staging buffer (long since)
-            self._seq_order_host.numpy()[:] = values
+        target = (self._seq_order_host if on_cuda else self._seq_order).numpy()
+        target[:] = self._identity_order  # past the step's sequences (padded rows included): the identity
+        if not identity:
+            target[:n] = np.argsort(-lens, kind="stable")  # stable: ties keep batch order
+        if on_cuda:
             self._seq_order.copy_(self._seq_order_host, non_blocking=True)
             self._seq_order_copied = torch.cuda.Event()
             self._seq_order_copied.record(torch.cuda.current_stream(self._seq_order.device))

@@ -336,14 +336,7 @@ class ModelRunner:
         if b > s:  # the three arrays share one buffer: more rows would run into the next one
             raise RuntimeError(f"internal error: a step of {b} sequences, more than max_num_seqs={s}")
         nonblocking = self.device.type == "cuda"
-        if nonblocking:
-            host = self._host_mirrors.get("_seq_arrays")
-            if host is None:
-                # zeros, not empty: the copy also carries the entries between the used parts (never garbage)
-                host = self._host_mirrors["_seq_arrays"] = torch.zeros(self._seq_arrays.numel(), dtype=torch.int32,
-                                                                       pin_memory=True)
-        else:
-            host = self._seq_arrays
+        host = self._mirror("_seq_arrays") if nonblocking else self._seq_arrays
         arr = host.numpy()
         arr[: b + 1] = query_start_loc
         arr[s + 1 : s + 1 + b] = seq_lens
@@ -352,15 +345,20 @@ class ModelRunner:
             end = 2 * s + 1 + b
             self._seq_arrays[:end].copy_(host[:end], non_blocking=True)
 
+    def _mirror(self, name: str) -> torch.Tensor:
+        """The pinned host mirror of device buffer `name`, allocated on first use, as large as the buffer. Zeros, not
+        empty: `_put_seq_arrays` copies the entries between its three arrays' used parts too (never garbage)."""
+        buf = self._host_mirrors.get(name)
+        if buf is None:
+            dev_buf = getattr(self, name)
+            buf = self._host_mirrors[name] = torch.zeros(dev_buf.numel(), dtype=dev_buf.dtype, pin_memory=True)
+        return buf
+
     def _host_copy(self, name: str, src: np.ndarray) -> torch.Tensor:
         """`src` in this buffer's pinned host mirror (allocated once, as large as the device buffer), ready for an
         asynchronous copy: no pinned allocation per step. upload() writes a mirror only after the previous step's
         copies out of it are done (`inputs_ready`)."""
-        buf = self._host_mirrors.get(name)
-        if buf is None:
-            dev_buf = getattr(self, name)
-            buf = self._host_mirrors[name] = torch.empty(dev_buf.numel(), dtype=dev_buf.dtype, pin_memory=True)
-        view = buf[: src.size].view(src.shape)
+        view = self._mirror(name)[: src.size].view(src.shape)
         np.copyto(view.numpy(), src, casting="same_kind")
         return view
 
