@@ -216,6 +216,10 @@ def main() -> int:
     ap.add_argument("--w3-study", action="store_true",
                     help="only W3's decode shape (256 sequences, contexts of prompts uniform in [100, 1024] plus 256 "
                          "decoded tokens): the decode kernel's tiles and split counts")
+    ap.add_argument("--layout-study", action="store_true",
+                    help="only W3's and W2's decode shapes with the KV cache in two layouts (NHD: a page's rows of "
+                         "one head 2 KB apart; HND: each head's page contiguous), beside a plain streaming read of "
+                         "the same bytes (the read bandwidth a kernel can reach)")
     ap.add_argument("--decode-study", action="store_true",
                     help="only the W1/W2 decode shapes (batch 1 and 64 at contexts 128-384): the unified kernel, the "
                          "decode kernel unsplit and split, decode tiles")
@@ -241,6 +245,8 @@ def main() -> int:
         return decode_study(args, gen)
     if args.w3_study:
         return w3_study(args)
+    if args.layout_study:
+        return layout_study(args)
     max_blocks = -(-max(max(DECODE_CONTEXTS), max(PREFILL_TOKENS)) // BLOCK_SIZE)
     num_blocks = max(DECODE_BATCHES) * max_blocks + 1  # block 0 stays the null block
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -458,6 +464,83 @@ def w3_study(args: argparse.Namespace) -> int:
             rows.append(row)
             print(f"{label:26s} {name:40s} {secs * 1e6:8.1f} us  {row['gbps']:6.0f} GB/s  diff {diff:.1e}",
                   flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    return 0
+
+
+def streaming_read_us(tensors: list[torch.Tensor], args: argparse.Namespace) -> float:
+    """Microseconds to read every element of `tensors` once with a plain Triton streaming kernel (a sum per
+    program): the read bandwidth a kernel can reach on this GPU, against which the attention's KV read is judged."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, STEP: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(pid * BLOCK, n, STEP):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+    programs = torch.cuda.get_device_properties(0).multi_processor_count * 8
+    block = 4096
+    out = torch.empty(programs, dtype=torch.float32, device=DEVICE)
+
+    def call() -> None:
+        for t in tensors:
+            flat = t.view(-1)
+            _read[(programs,)](flat, out, flat.numel(), BLOCK=block, STEP=block * programs, num_warps=8)
+
+    secs, _ = time_call(call, args.reps, args.samples)
+    return secs * 1e6
+
+
+def layout_study(args: argparse.Namespace) -> int:
+    """The longest-first decode launch at W3's and W2's shapes with the KV cache in the NHD layout the engine uses
+    (`[blocks, block_size, kv_heads, head_dim]`: one head's 16 rows of a page are 256-byte pieces 2 KB apart) and
+    in HND (`[blocks, kv_heads, block_size, head_dim]`: each head's page one 4 KB piece), passed to the same kernel
+    as a permuted view; and a plain streaming read of the pool (what reading these bytes could cost)."""
+    import random
+
+    max_blocks = 40960 // BLOCK_SIZE
+    rng = random.Random(0)
+    w3 = [rng.randint(100, 1024) + 256 for _ in range(256)]
+    shapes = {"W3 256 x U[356, 1280]": w3, "W2 64 x 256": [256] * 64}
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in w3) + 1
+    caches = {
+        "NHD": [torch.empty((num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype=DTYPE, device=DEVICE).normal_()
+                for _ in range(2)],
+        "HND": [torch.empty((num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM), dtype=DTYPE, device=DEVICE)
+                .normal_().permute(0, 2, 1, 3) for _ in range(2)],
+    }
+    pool_bytes = 2 * caches["NHD"][0].numel() * caches["NHD"][0].element_size()
+    read_us = streaming_read_us(caches["NHD"], args)
+    print(f"device: {torch.cuda.get_device_name()}  layout study, KV pool {pool_bytes / 2**30:.2f} GiB; streaming "
+          f"read of the pool {read_us:.1f} us = {pool_bytes / read_us / 1e3:.0f} GB/s", flush=True)
+    rows = [dict(kind="read", impl="streaming read", shape="pool", us=read_us, gbps=pool_bytes / read_us / 1e3)]
+    gen = torch.Generator().manual_seed(0)
+    for label, lengths in shapes.items():
+        case = varied_case(lengths, num_blocks, max_blocks, gen)
+        ref = None
+        for layout, (k_cache, v_cache) in caches.items():
+            if layout == "HND":  # the same values as the NHD pool, so outputs compare
+                k_cache.copy_(caches["NHD"][0])
+                v_cache.copy_(caches["NHD"][1])
+            for longest_first in (False, True):
+                out = torch.zeros_like(case.query)
+                secs, how = time_call(triton_impl(case, k_cache, v_cache, out, max_blocks,
+                                                  longest_first=longest_first), args.reps, args.samples)
+                ref = out if ref is None else ref
+                diff = (out.float() - ref.float()).abs().max().item()
+                name = f"{layout}{', longest first' if longest_first else ''}"
+                row = dict(kind="decode", batch=case.batch, ctx=case.ctx, impl=name, shape=label, us=secs * 1e6,
+                           gbps=case.bytes_moved / secs / 1e9, max_abs_diff=diff, timing=how)
+                rows.append(row)
+                print(f"{label:26s} {name:24s} {secs * 1e6:8.1f} us  {row['gbps']:6.0f} GB/s  diff {diff:.1e}",
+                      flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
