@@ -41,12 +41,7 @@ def time_graph(fn, reps: int = 20, samples: int = 7) -> float:
 
 
 def candidates(m: int, k: int) -> list[SkinnyConfig]:
-    """A wider grid than the tuner's (ops/linear.py) for exploring: five tiles (four at M > 16) x four splits; above
-    64 rows (several row blocks), the tuner's own wide-bucket candidates."""
-    if m > 64:
-        from hf_accel.ops.linear import _candidates
-
-        return [c for c in _candidates(256) if c.split_k == 1 or k // (c.split_k * c.block_k) >= 1]
+    """A wider grid than the tuner's (ops/linear.py) for exploring: five tiles (four at M > 16) x four splits."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     tiles = [(16, 512), (32, 256), (64, 128), (64, 256), (128, 128)] if bm == 16 else [(32, 128), (64, 64),
                                                                                       (64, 128), (128, 64)]

@@ -50,77 +50,6 @@ def test_kernel_matches_linear(dtype, m, n, k, block_m, block_n, block_k, split,
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize(("m", "n", "k", "block_m", "block_n", "block_k", "split", "bias"), [
-    (40, 48, 96, 16, 16, 32, 1, False),    # three row blocks, the last one partial
-    (70, 40, 200, 32, 16, 64, 2, True),    # row blocks x an uneven K split, bias after the reduction
-    (64, 33, 128, 16, 16, 32, 4, False),   # four full row blocks, four splits each with its own counters
-])
-def test_kernel_takes_several_row_blocks(m, n, k, block_m, block_n, block_k, split, bias, fused):
-    """More rows than `block_m` (the 256-row bucket's launches): one program per (column tile, split, row block);
-    with counters, each (row block, column tile) reduces its splits in the launch and leaves its counter at zero,
-    with the same bits as the reduce kernel."""
-    g = torch.Generator().manual_seed(m * 31 + n + k)
-    x = torch.randn(m, k, generator=g).to(DEVICE, torch.float32)
-    w = torch.randn(n, k, generator=g).to(DEVICE, torch.float32)
-    b = torch.randn(n, generator=g).to(DEVICE, torch.float32) if bias else None
-    cfg = G.SkinnyConfig(block_m, block_n, block_k, split, 4, 2)
-    need = G.counters_needed(m, n, cfg)
-    assert need == triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    counters = torch.zeros(need, dtype=torch.int32, device=DEVICE) if fused else None
-    y = G.skinny_linear(x, w, b, cfg, counters=counters)
-    ref = F.linear(x, w, b)
-    assert y.shape == (m, n)
-    assert (y - ref).abs().max().item() <= _tol(torch.float32, ref)
-    assert counters is None or not counters.any()
-    if split > 1 and fused:
-        assert torch.equal(y, G.skinny_linear(x, w, b, cfg))
-        # too few counters for every (row block, column tile): the reduce kernel, never a shared ticket
-        short = torch.zeros(need - 1, dtype=torch.int32, device=DEVICE)
-        assert torch.equal(G.skinny_linear(x, w, b, cfg, counters=short), y) and not short.any()
-
-
-def test_wide_bucket_is_for_plain_linears_only(monkeypatch):
-    """The 256-row bucket times tiles of several row blocks for bf16 / fp16 linears; int8 and gated keys are not
-    tuned there (their ops keep the tile rule or the plain linear), and `tuned_config` sends their wide steps to
-    their baseline."""
-    if 256 not in linear_op.M_BUCKETS:
-        pytest.skip("HF_ACCEL_GEMM_BUCKETS leaves the 256-row bucket out")
-    wide = linear_op._candidates(256)
-    assert wide and all(c.block_m in (64, 128) and not c.gemv for c in wide)
-    assert linear_op._candidates(256, int8=True) == [] and linear_op._gated_candidates(256, 1024) == []
-    assert linear_op.buckets_for(torch.bfloat16) == linear_op.M_BUCKETS
-    for kind in (linear_op.int8_key_dtype(torch.bfloat16), linear_op.gated_key_dtype(torch.bfloat16)):
-        assert 256 not in linear_op.buckets_for(kind)
-    monkeypatch.setattr(linear_op, "device_index", lambda device: 0)
-    linear_op.clear_decisions()
-    cpu = torch.device("cpu")
-    cfg = G.SkinnyConfig(64, 64, 64, 2)
-    linear_op._decisions[linear_op._key(cpu, torch.bfloat16, 64, 64, False, 256)] = cfg
-    gated = linear_op.gated_key_dtype(torch.bfloat16)
-    linear_op._decisions[linear_op._key(cpu, gated, 64, 64, False, 64)] = cfg
-    try:
-        assert linear_op.tuned_config(cpu, torch.bfloat16, 64, 64, False, 200) is cfg
-        assert linear_op.tuned_config(cpu, torch.bfloat16, 64, 64, False, 257) is None  # above every bucket
-        assert linear_op.tuned_config(cpu, gated, 64, 64, False, 64) is cfg
-        assert linear_op.tuned_config(cpu, gated, 64, 64, False, 65) is None  # no wide bucket for gated keys
-    finally:
-        linear_op.clear_decisions()
-
-
-def test_gemm_buckets_env(monkeypatch):
-    """HF_ACCEL_GEMM_BUCKETS narrows the tuned buckets (an A/B switch); an unknown bucket is an error."""
-    monkeypatch.setenv("HF_ACCEL_GEMM_BUCKETS", "1,16,64")
-    assert linear_op._buckets_from_env() == (1, 16, 64)
-    monkeypatch.setenv("HF_ACCEL_GEMM_BUCKETS", "64, 1")
-    assert linear_op._buckets_from_env() == (1, 64)
-    monkeypatch.setenv("HF_ACCEL_GEMM_BUCKETS", "1,128")
-    with pytest.raises(ValueError, match="128"):
-        linear_op._buckets_from_env()
-    monkeypatch.delenv("HF_ACCEL_GEMM_BUCKETS")
-    assert linear_op._buckets_from_env() == linear_op.ALL_M_BUCKETS
-
-
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("n", "k", "block_n", "block_k", "split", "bias"), [
     (40, 96, 4, 32, 1, False),     # N not a multiple of the rows per program, K of the tile
@@ -233,7 +162,7 @@ def test_int8_candidates_fit_their_bucket_and_the_op_follows_a_decision(monkeypa
     tile rule otherwise (the kernel itself needs CUDA; here the choice is checked)."""
     from hf_accel.ops import quantized_linear
 
-    for bucket in linear_op.buckets_for(linear_op.int8_key_dtype(torch.bfloat16)):
+    for bucket in linear_op.M_BUCKETS:
         cands = linear_op._candidates(bucket, int8=True)
         assert cands and all(c.block_m >= bucket for c in cands)
         assert {c.block_k for c in cands} != {c.block_k for c in linear_op._candidates(bucket)}  # longer K tiles
@@ -353,20 +282,19 @@ def test_tuner_times_only_what_is_not_decided_and_builds_it_first(monkeypatch, t
     linear_op.clear_decisions()
     try:
         first = linear_op.tune_linears([(64, 128, False)], torch.float16, cuda, use_pdl=False, cache_dir=tmp_path)
-        nb = len(linear_op.M_BUCKETS)
         assert timed == built[0] == [(64, 128, False, b) for b in linear_op.M_BUCKETS]
-        assert (first["tuned"], first["from_cache"], first["ours"], first["cublas"]) == (nb, 0, 1, nb - 1)
+        assert (first["tuned"], first["from_cache"], first["ours"], first["cublas"]) == (3, 0, 1, 2)
         linear_op.clear_decisions()  # a new process: the first shape from the file, the second one timed
         timed.clear()
         built.clear()
         second = linear_op.tune_linears([(64, 128, False), (32, 64, True)], torch.float16, cuda, use_pdl=False,
                                         cache_dir=tmp_path)
         assert timed == built[0] == [(32, 64, True, b) for b in linear_op.M_BUCKETS]
-        assert (second["tuned"], second["from_cache"], second["ours"], second["cublas"]) == (nb, nb, 2, 2 * nb - 2)
+        assert (second["tuned"], second["from_cache"], second["ours"], second["cublas"]) == (3, 3, 2, 4)
         timed.clear()
         built.clear()
         third = linear_op.tune_linears([(32, 64, True), (64, 128, False)], torch.float16, cuda, use_pdl=False)
-        assert not timed and not built and (third["tuned"], third["ours"], third["cublas"]) == (0, 2, 2 * nb - 2)
+        assert not timed and not built and (third["tuned"], third["ours"], third["cublas"]) == (0, 2, 4)
         assert linear_op.tuned_config(cuda, torch.float16, 64, 128, False, 1) == G.SkinnyConfig(16, 32, 64, 2)
         assert linear_op.tuned_config(cuda, torch.float16, 64, 128, False, 40) is None
     finally:
@@ -392,12 +320,10 @@ def test_strided_bias_is_read_correctly():
         torch.testing.assert_close(y, ref, rtol=0, atol=_tol(torch.float32, ref))
 
 
-def test_one_row_past_a_block_takes_a_second_row_block():
-    """17 rows with `block_m` 16 (once refused): the 17th row is a second row block, not dropped."""
-    x, w = torch.randn(17, 32, device=DEVICE), torch.randn(8, 32, device=DEVICE)
-    y = G.skinny_linear(x, w, None, G.SkinnyConfig(16, 16, 32, 1))
-    ref = F.linear(x, w)
-    assert (y - ref).abs().max().item() <= _tol(torch.float32, ref)
+def test_too_many_rows_is_refused():
+    with pytest.raises(AssertionError, match="rows"):
+        G.skinny_linear(torch.randn(17, 32, device=DEVICE), torch.randn(8, 32, device=DEVICE), None,
+                        G.SkinnyConfig(16, 16, 32, 1))
 
 
 def test_op_is_f_linear_when_untuned_or_on_cpu():
@@ -548,7 +474,7 @@ def test_tuner_decides_and_the_op_follows(tmp_path):
     assert report["tuned"] == len(shapes) * len(linear_op.M_BUCKETS)
     assert (tmp_path / linear_op.TUNE_FILE).is_file()
     for n, k, has_bias in shapes:
-        for m in (1, 5, 16, 40, 64, 65, 200, 256, 257):
+        for m in (1, 5, 16, 40, 64, 65):
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.05
             b = torch.randn(n, device=DEVICE, dtype=torch.bfloat16) if has_bias else None
@@ -574,10 +500,9 @@ def test_int8_tuner_decides_and_the_op_follows(tmp_path):
     shapes = [(1024, 2048, False), (4096, 1024, True)]
     report = linear_op.tune_linears(shapes, torch.bfloat16, DEVICE, use_pdl=pdl.supported(DEVICE), int8=True,
                                     cache_dir=tmp_path, scratch_bytes=32 << 20)
-    int8_buckets = linear_op.buckets_for(linear_op.int8_key_dtype(torch.bfloat16))
-    assert report["tuned"] == len(shapes) * len(int8_buckets)
+    assert report["tuned"] == len(shapes) * len(linear_op.M_BUCKETS)
     decisions = linear_op.decisions_for(shapes, DEVICE, linear_op.int8_key_dtype(torch.bfloat16))
-    assert len(decisions) == len(shapes) * len(int8_buckets)
+    assert len(decisions) == len(shapes) * len(linear_op.M_BUCKETS)
     assert not linear_op.decisions_for(shapes, DEVICE, torch.bfloat16)  # bf16 decisions are separate
     for n, k, has_bias in shapes:
         q = torch.randint(-127, 128, (n, k), device=DEVICE, dtype=torch.int8)
@@ -591,7 +516,7 @@ def test_int8_tuner_decides_and_the_op_follows(tmp_path):
     linear_op.clear_decisions()
     again = linear_op.tune_linears(shapes, torch.bfloat16, DEVICE, use_pdl=pdl.supported(DEVICE), int8=True,
                                    cache_dir=tmp_path)
-    assert again["tuned"] == 0 and again["from_cache"] == len(shapes) * len(int8_buckets)
+    assert again["tuned"] == 0 and again["from_cache"] == len(shapes) * len(linear_op.M_BUCKETS)
     linear_op.clear_decisions()
 
 

@@ -38,30 +38,12 @@ from hf_accel.ops.pdl import gemm_pdl_form
 
 logger = logging.getLogger(__name__)
 
-# Tuned at these row counts; a step of M rows uses the decision of the smallest bucket >= M. The 256-row bucket
-# (W3's decode batch) is for plain bf16 / fp16 linears only (`buckets_for`): int8 weights keep their tile rule up to
-# `skinny_gemm.MAX_M` rows, gated linears their plain form. HF_ACCEL_GEMM_BUCKETS (comma-separated, a subset of
-# these) narrows the set, for A/B runs; each bucket keeps its own stored decisions.
-ALL_M_BUCKETS = (1, 16, 64, 256)
-WIDE_BUCKETS = (256,)  # buckets of several row blocks: plain linears only
-
-
-def _buckets_from_env() -> tuple[int, ...]:
-    text = os.environ.get("HF_ACCEL_GEMM_BUCKETS", "").strip()
-    if not text:
-        return ALL_M_BUCKETS
-    wanted = {int(b) for b in text.split(",") if b.strip()}
-    unknown = wanted - set(ALL_M_BUCKETS)
-    if unknown:
-        raise ValueError(f"HF_ACCEL_GEMM_BUCKETS: {sorted(unknown)} not among the tuned buckets {ALL_M_BUCKETS}")
-    return tuple(b for b in ALL_M_BUCKETS if b in wanted)
-
-
-M_BUCKETS = _buckets_from_env()
+# Tuned at these row counts; a step of M rows uses the decision of the smallest bucket >= M.
+M_BUCKETS = (1, 16, 64)
 # keep our kernel only where it is at least this much faster than cuBLAS. Larger for the M = 17-64 bucket: there the
 # stand-alone gains were small (2-8 % on the 8B shapes) and the 8B W2 figure of the first H200 run with them fell
 # (not yet A/B-tested in one run), so only clear wins (qwen3-0.6b's narrow o/down projections: 12-25 %) are taken
-MIN_GAIN = {1: 0.03, 16: 0.03, 64: 0.10, 256: 0.05}
+MIN_GAIN = {1: 0.03, 16: 0.03, 64: 0.10}
 TUNE_FILE = "small_m_gemm.json"
 # part of every stored key: decisions of older candidate sets or thresholds are not reused (bump it when the
 # candidates, MIN_GAIN, the int8 tile rule `quantized_linear.default_config` or what is timed change; 3: split-K
@@ -81,20 +63,12 @@ _decisions: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
-def m_bucket(m: int, buckets: tuple[int, ...] | None = None) -> int | None:
-    """The tuned M bucket a step of `m` rows uses (None above the largest: cuBLAS). `buckets`: a key kind's
-    (`buckets_for`); default, every bucket."""
-    for b in M_BUCKETS if buckets is None else buckets:
+def m_bucket(m: int) -> int | None:
+    """The tuned M bucket a step of `m` rows uses (None above the largest: cuBLAS)."""
+    for b in M_BUCKETS:
         if m <= b:
             return b
     return None
-
-
-def buckets_for(dtype: torch.dtype | tuple) -> tuple[int, ...]:
-    """The buckets tuned for a key kind: every bucket for plain linears, none of the wide ones for int8 or gated."""
-    if isinstance(dtype, tuple):
-        return tuple(b for b in M_BUCKETS if b not in WIDE_BUCKETS)
-    return M_BUCKETS
 
 
 def device_index(device: torch.device) -> int:
@@ -159,7 +133,7 @@ def _(x, weight, bias, use_pdl):
 def tuned_config(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, m: int):
     """The tuned tile config for a step of `m` rows (the decision of the smallest bucket >= m), or None: not tuned,
     more rows than any bucket, or the baseline won. `dtype`: as in `decisions_for`."""
-    bucket = m_bucket(m, buckets_for(dtype))
+    bucket = m_bucket(m)
     return _decisions.get(_key(device, dtype, n, k, has_bias, bucket)) if bucket is not None else None
 
 
@@ -175,7 +149,7 @@ def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device,
     tuned). `dtype`: the activations' dtype, or `int8_key_dtype(dtype)` for int8 weights (baseline: the tile rule)."""
     out = {}
     for n, k, has_bias in shapes:
-        for b in buckets_for(dtype):
+        for b in M_BUCKETS:
             key = _key(device, dtype, n, k, has_bias, b)
             if key in _decisions:
                 cfg = _decisions[key]
@@ -190,14 +164,6 @@ def _candidates(bucket: int, int8: bool = False) -> list:
     longer (a config that does not fit shared memory fails to compile and is skipped)."""
     from hf_accel.ops.skinny_gemm import SkinnyConfig
 
-    if bucket in WIDE_BUCKETS:
-        # several row blocks per column tile: GEMM tiles of 64 or 128 rows, split-K for the narrow projections
-        # (qwen3-0.6b's o and down have 1,024 columns: 16 column tiles of 64)
-        return [] if int8 else [SkinnyConfig(bm, bn, bk, split, 4, 3 if bm == 128 and bn == 128 else 4)
-                                for bm, bn, bk, splits in ((64, 64, 64, (1, 2, 4)), (64, 128, 64, (1, 2, 4)),
-                                                           (64, 64, 128, (1, 2, 4)), (128, 64, 64, (1, 2)),
-                                                           (128, 128, 64, (1, 2)))
-                                for split in splits]
     if bucket <= 16:
         tiles = (((32, 512), (64, 256), (128, 256), (32, 1024)) if int8
                  else ((32, 256), (64, 128), (128, 128), (16, 512)))
@@ -278,7 +244,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     `quantized_linear.default_config`'s tile rule, since no cuBLAS path reads int8 weights with bf16 activations.
     `gated` (a gate/up weight, `n` its rows): the candidates apply the SiLU gate in their epilogue, the baseline is
     what `ops.gated_linear` runs without a decision: the plain linear's decision, then the SiLU-and-mul kernel."""
-    from hf_accel.ops.skinny_gemm import counters_needed, skinny_linear
+    from hf_accel.ops.skinny_gemm import skinny_linear
 
     wdtype = torch.int8 if int8 else dtype
     nbytes = n * k * torch.empty((), dtype=wdtype).element_size()
@@ -299,8 +265,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     out_n = n // 2 if gated else n
     # enough counters for the candidates' column tiles and for the gated baseline's plain linear over all n rows
     plain_cfg = _decisions.get(_key(device, dtype, n, k, False, bucket)) if gated else None
-    tiles = max(max(counters_needed(bucket, out_n, c) for c in candidates),
-                counters_needed(bucket, n, plain_cfg) if plain_cfg else 0)
+    tiles = max(-(-out_n // min(c.block_n for c in candidates)), -(-n // plain_cfg.block_n) if plain_cfg else 0)
     counters = torch.zeros(tiles, dtype=torch.int32, device=device)
     rows = min(out_n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
     w_ref = weights[0][:rows].float() * (scale[:rows, None].float() if int8 else 1.0)
@@ -372,7 +337,7 @@ def _gated_candidates(bucket: int, k: int) -> list:
     the kernels around it in a step. On the H200, llama-3.2-1b's tensor-core gated tile won its timing at one row
     and lost in the step (W1 987 and 963 tok/s against 1,001 and 986 without the gated GEMM, two leases), while
     qwen3-0.6b's one-row gated kernel won both (W1 1,143 against 1,093, same lease)."""
-    return [] if bucket in WIDE_BUCKETS else _candidates_for(bucket, k, False, one_row_only=bucket == 1)
+    return _candidates_for(bucket, k, False, one_row_only=bucket == 1)
 
 
 def build_candidates(todo: Iterable[tuple[int, int, bool, int]], dtype: torch.dtype, use_pdl: bool, int8: bool,
@@ -430,7 +395,7 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
             # decisions already made (this process, or stored by an earlier one), and what is left to time
             pending = []
             for n, k, has_bias in shapes:
-                for bucket in buckets_for(key_dtype):
+                for bucket in M_BUCKETS:
                     key = _key(device, key_dtype, n, k, has_bias, bucket)
                     skey = _stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl)
                     if key in _decisions:

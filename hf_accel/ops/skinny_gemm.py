@@ -45,9 +45,7 @@ from hf_accel.ops.pdl import GEMM_EARLY_TRIGGER as EARLY_TRIGGER
 from hf_accel.ops.pdl import launch_kwargs
 from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
-# rows of the int8 weight path's tile rule (`ops.quantized_linear`); plain linears go by the tuned buckets of
-# `ops.linear` (up to 256 rows, in row blocks of `block_m`)
-MAX_M = 64
+MAX_M = 64  # rows this kernel is meant for; above it cuBLAS's large-M tiles win
 MAX_NORM_BLOCK = 4096  # columns of the row a normalizing one-row GEMM sums at a time (`_row_rstd`)
 
 
@@ -73,13 +71,11 @@ def _skinny_gemm_kernel(
 ):
     """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count.
     EARLY_TRIGGER: let the successor launch right after the wait instead of after the K loop.
-    GATED: W has 2N rows, gate then up; the output is `silu(x @ W[:N]^T) * (x @ W[N:]^T)` (`_store_output`).
-    Grid: (column tiles, K splits, row blocks of BLOCK_M); each (row block, column tile) has its own ticket counter."""
+    GATED: W has 2N rows, gate then up; the output is `silu(x @ W[:N]^T) * (x @ W[N:]^T)` (`_store_output`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
@@ -115,8 +111,7 @@ def _skinny_gemm_kernel(
     # split 0's partial of this tile; a gated launch keeps gate and up partials side by side (rows of 2N)
     part_row = 2 * N if GATED else N
     part0_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * part_row + offs_n[None, :]
-    counter = counters_ptr + pid_m * tl.num_programs(0) + pid_n
-    _finish(acc, acc_u, y_ptrs, part0_ptrs, M * part_row, N, pid_k, counter, b_ptr, s_ptr, offs_n,
+    _finish(acc, acc_u, y_ptrs, part0_ptrs, M * part_row, N, pid_k, counters_ptr + pid_n, b_ptr, s_ptr, offs_n,
             n_ok, mask, IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS, GATED)
 
 
@@ -309,8 +304,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   use_pdl: bool = False, out: torch.Tensor | None = None,
                   scale: torch.Tensor | None = None, counters: torch.Tensor | None = None,
                   gated: bool = False) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for `x` of few rows (leading dims flattened): blocks of `config.block_m` rows
-    (one block for a one-row config).
+    """`F.linear(x, weight, bias)` for `x` of at most `config.block_m` rows (leading dims flattened).
 
     `scale` (one value per output row, contiguous): `weight` is int8 and the product is `(x @ weight^T) * scale`,
     accumulated in float32 and scaled once before the bias and the cast (int8 weight-only quantization).
@@ -324,7 +318,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    assert not config.gemv or (config.block_m == 1 and m <= 1), "a GEMV config is for one row (block_m=1)"
+    assert m <= config.block_m, f"skinny_linear: {m} rows do not fit block_m={config.block_m}"
+    assert not config.gemv or config.block_m == 1, "a GEMV config is for one row (block_m=1)"
     assert weight.stride(-1) == 1 and weight.shape[1] == k
     if bias is not None and bias.stride(0) != 1:  # the kernels read the bias as contiguous
         bias = bias.contiguous()
@@ -333,16 +328,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return y.view(*x.shape[:-1], n)
     k_per_split, split = _split(k, config)
     part = torch.empty((split, m, 2 * n if gated else n), dtype=torch.float32, device=x.device) if split > 1 else y
-    if counters is not None and counters.numel() < counters_needed(m, n, config):
+    if counters is not None and counters.numel() < triton.cdiv(n, config.block_n):
         counters = None
     _launch(x2, weight, bias, scale, y, part, counters, m, n, k, k_per_split, split,
             (x2.stride(0), weight.stride(0), y.stride(0)), config, use_pdl, warmup=False, gated=gated)
     return y.view(*x.shape[:-1], n)
-
-
-def counters_needed(m: int, n: int, config: SkinnyConfig) -> int:
-    """Ticket counters a fused split-K launch takes: one per (row block, column tile)."""
-    return triton.cdiv(max(m, 1), config.block_m) * triton.cdiv(n, config.block_n)
 
 
 def _out_columns(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None, gated: bool) -> int:
@@ -429,8 +419,7 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
     fused = split > 1 and counters is not None
     in_gemm = split == 1 or fused  # the GEMM kernel itself writes the output (bias and scale there)
     stride_xm, stride_wn, stride_ym = strides
-    grid = (triton.cdiv(n, config.block_n), split) if config.gemv else (
-        triton.cdiv(n, config.block_n), split, triton.cdiv(max(m, 1), config.block_m))
+    grid = (triton.cdiv(n, config.block_n), split)
     common = dict(
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % k_per_split == 0, IS_SPLIT=split > 1,
         HAS_BIAS=has_bias and in_gemm, HAS_SCALE=has_scale and in_gemm, USE_PDL=use_pdl,
