@@ -984,6 +984,23 @@ def test_packing_skips_tied_and_mismatched_weights():
     assert attn.q_proj.weight.untyped_storage().data_ptr() != attn.v_proj.weight.untyped_storage().data_ptr()
 
 
+def test_compiled_at_a_larger_example_step_matches_stock(monkeypatch):
+    """HF_ACCEL_COMPILE_TOKENS (the first compiled step's size, the A/B switch of Inductor's tuning hint): the
+    compiled forward then serves every step shape as before, greedy output equal to stock."""
+    from hf_accel import accelerate_model, engine_info
+    from hf_accel.config import AccelConfig
+
+    monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", "48")
+    model = make_model("qwen3", num_layers=2)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(10, 100, (3, 9))
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    accelerate_model(model, compile=True, num_kv_blocks=64, config=AccelConfig(compile_cache_dir=""))
+    assert engine_info(model).get("compile_error") is None
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+
+
 def test_accelerate_and_restore_pack_and_unpack_with_compile(tmp_path):
     from hf_accel import accelerate_model, restore
 
@@ -1069,6 +1086,37 @@ def test_full_mode_mixed_steps_gather_each_sequences_last_token():
     assert fake.replayed[-1] == BatchKey(8, True)
     assert got[:, 0].tolist() == [0.0, 2.0]
     assert greedy.tolist() == [100, 102]
+
+
+def test_compile_example_step_fits_the_context_and_the_batch(monkeypatch):
+    """The first compiled step (whose token count Inductor tunes its kernels for): prefill sequences no longer than
+    the context plus one decode row, `HF_ACCEL_COMPILE_TOKENS` tokens in all where the context and `max_num_seqs`
+    allow, and a step the runner's buffers take."""
+    from hf_accel import accelerate_model
+    from hf_accel.engine import runner as runner_module
+
+    monkeypatch.delenv("HF_ACCEL_COMPILE_TOKENS", raising=False)
+    assert runner_module.compile_example_tokens(8192) == runner_module.COMPILE_EXAMPLE_TOKENS
+    monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", "256")
+    assert runner_module.compile_example_tokens(8192) == 256
+    assert runner_module.compile_example_tokens(100) == 100  # never past the step buffers
+    monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", "1")
+    assert runner_module.compile_example_tokens(8192) == 2  # a prefill sequence and a decode row at least
+
+    model = make_model("llama", num_layers=1)
+    model.config._attn_implementation = "sdpa"
+    model.config.max_position_embeddings = 32
+    accelerate_model(model, attention_backend="torch", enforce_eager=True, num_kv_blocks=64)
+    runner = model._hf_accel_state.engine.runner
+    assert runner.compile_example_lens(16) == [15, 1]  # the step compiled before the switch existed
+    assert runner.compile_example_lens(256)[-1] == 1 and max(runner.compile_example_lens(256)) <= 32
+    lens = runner.compile_example_lens(256)
+    assert sum(lens) == min(256, (runner.max_num_seqs - 1) * 32 + 1) and len(lens) <= runner.max_num_seqs
+    runner.upload(runner.dummy_inputs(lens))  # the buffers take it
+    monkeypatch.setattr(runner, "max_num_seqs", 3)
+    assert runner.compile_example_lens(256) == [32, 32, 1]
+    monkeypatch.setattr(runner, "max_num_seqs", 1)
+    assert runner.compile_example_lens(256) == [32]
 
 
 @pytest.mark.parametrize("mutate", [False, True])

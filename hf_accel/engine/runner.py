@@ -88,6 +88,21 @@ def capture_warmup_class(model: torch.nn.Module, *, small_m_gemm: bool,
 
 
 SPLIT_K_COUNTERS = 1 << 15
+# tokens of the step the forward is first compiled with. Inductor sizes its generated kernels' launch heuristics by
+# this step's token count (the hint of the dynamic dimension) and autotunes each kernel once, on it, so every later
+# step shape runs the configurations chosen here. On the H200 (examples/bench_qk_rope.py, 2026-12-06), Qwen3's q/k
+# norm + RoPE kernels compiled at 16 tokens took 5.6 us at 256 rows and 111 us at 8,192; compiled at 256, 3.4 and
+# 48.7 (3.1 against 3.0 us at one row). 16 stays the default until an engine-level A/B (W1-W3, GPU tests) has run:
+# HF_ACCEL_COMPILE_TOKENS=256 is that A/B's other side (part of the compile cache's key, so each keeps its kernels).
+COMPILE_EXAMPLE_TOKENS = 16
+
+
+def compile_example_tokens(max_num_tokens: int) -> int:
+    """The first compiled step's token count: COMPILE_EXAMPLE_TOKENS (or HF_ACCEL_COMPILE_TOKENS), at most the step
+    buffers' size, at least 2 (a prefill sequence and a decode row)."""
+    text = os.environ.get("HF_ACCEL_COMPILE_TOKENS", "").strip()
+    wanted = int(text) if text else COMPILE_EXAMPLE_TOKENS
+    return max(2, min(wanted, max_num_tokens))
 
 
 class HostBlockTable:
@@ -503,8 +518,10 @@ class ModelRunner:
         if compile:
             t0 = time.perf_counter()
             phase("compile", "Dynamo trace, split at attention, Inductor; reused from the compile cache when warm")
+            example = compile_example_tokens(len(self.input_ids))
             cache = self.compile_cache = setup_compile_cache(
-                cache_dir, model_config, dtype, sizes, extra={"device": str(self.device), "backend": self.backend.name})
+                cache_dir, model_config, dtype, sizes, extra={"device": str(self.device), "backend": self.backend.name,
+                                                              "compile_tokens": example})
             info["compile_cache"] = {"dir": str(cache.path) if cache.path else None, "warm": cache.warm}
             info["eager_precision_casts"] = eager_casts = quantizes_activations(self.model)
             trace_cache = None
@@ -517,12 +534,14 @@ class ModelRunner:
                                                graph_pool=pool, route_linears=small_m_gemm and on_cuda, pdl=pdl,
                                                eager_casts=eager_casts, trace_cache=trace_cache,
                                                fold_norms=fold_norms, gated_gemm=gated_gemm)
-            meta = self.upload(self.dummy_inputs([15, 1]))
+            query_lens = self.compile_example_lens(example)
+            meta = self.upload(self.dummy_inputs(query_lens))
             self.backend.prepare(meta)
             try:
                 with forward_context(self.context(meta)):
-                    self.piecewise.compile(self.input_ids[:16][None], self.positions[:16][None],
-                                           self.logits_indices[:2])
+                    total = sum(query_lens)
+                    self.piecewise.compile(self.input_ids[:total][None], self.positions[:total][None],
+                                           self.logits_indices[:len(query_lens)])
             except Exception as exc:  # e.g. a model/torch combination that specializes the token count
                 if tp is not None:  # the other ranks are already running the compiled forward's collectives:
                     # no quiet fallback on this rank alone; the job ends (its peers' next collective fails)
@@ -736,6 +755,14 @@ class ModelRunner:
         if key.uniform_decode or b == 1:
             return [1] * b
         return ModelRunner.prefill_query_lens(b, max_model_len)
+
+    def compile_example_lens(self, tokens: int) -> list[int]:
+        """The first compiled step: prefill sequences of at most the context and one decode row, `tokens` in all, or
+        fewer where the context and `max_num_seqs` allow no more (a single sequence when only one fits)."""
+        if self.max_num_seqs < 2:
+            return [max(1, min(tokens, self.max_model_len))]
+        prefill = min(tokens - 1, (self.max_num_seqs - 1) * self.max_model_len)
+        return self.prefill_query_lens(prefill, self.max_model_len) + [1]
 
     @staticmethod
     def prefill_query_lens(num_tokens: int, max_model_len: int) -> list[int]:
