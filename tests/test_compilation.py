@@ -1102,6 +1102,7 @@ def test_compile_example_step_fits_the_context_and_the_batch(monkeypatch):
     assert runner_module.compile_example_tokens(100) == 100  # never past the step buffers
     monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", "1")
     assert runner_module.compile_example_tokens(8192) == 2  # a prefill sequence and a decode row at least
+    assert runner_module.compile_example_tokens(1) == 1  # but never past the buffers
 
     model = make_model("llama", num_layers=1)
     model.config._attn_implementation = "sdpa"
@@ -1115,6 +1116,7 @@ def test_compile_example_step_fits_the_context_and_the_batch(monkeypatch):
     runner.upload(runner.dummy_inputs(lens))  # the buffers take it
     monkeypatch.setattr(runner, "max_num_seqs", 3)
     assert runner.compile_example_lens(256) == [32, 32, 1]
+    assert runner.compile_example_lens(1) == [1]
     monkeypatch.setattr(runner, "max_num_seqs", 1)
     assert runner.compile_example_lens(256) == [32]
 

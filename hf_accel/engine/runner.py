@@ -98,11 +98,11 @@ COMPILE_EXAMPLE_TOKENS = 16
 
 
 def compile_example_tokens(max_num_tokens: int) -> int:
-    """The first compiled step's token count: COMPILE_EXAMPLE_TOKENS (or HF_ACCEL_COMPILE_TOKENS), at most the step
-    buffers' size, at least 2 (a prefill sequence and a decode row)."""
+    """The first compiled step's token count: COMPILE_EXAMPLE_TOKENS (or HF_ACCEL_COMPILE_TOKENS), at least 2 (a
+    prefill sequence and a decode row), at most the step buffers' size."""
     text = os.environ.get("HF_ACCEL_COMPILE_TOKENS", "").strip()
     wanted = int(text) if text else COMPILE_EXAMPLE_TOKENS
-    return max(2, min(wanted, max_num_tokens))
+    return max(1, min(max(2, wanted), max_num_tokens))
 
 
 class HostBlockTable:
