@@ -996,7 +996,9 @@ def test_compiled_at_a_larger_example_step_matches_stock(monkeypatch):
     ids = torch.randint(10, 100, (3, 9))
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     accelerate_model(model, compile=True, num_kv_blocks=64, config=AccelConfig(compile_cache_dir=""))
-    assert engine_info(model).get("compile_error") is None
+    info = engine_info(model)
+    assert "compile_error" not in info.get("fallbacks", {}), info.get("fallbacks")
+    assert model._hf_accel_state.engine.runner.piecewise is not None  # compiled, not the eager fallback
     got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want)
 
@@ -1100,9 +1102,14 @@ def test_compile_example_step_fits_the_context_and_the_batch(monkeypatch):
     monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", "256")
     assert runner_module.compile_example_tokens(8192) == 256
     assert runner_module.compile_example_tokens(100) == 100  # never past the step buffers
-    monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", "1")
-    assert runner_module.compile_example_tokens(8192) == 2  # a prefill sequence and a decode row at least
+    for low in ("1", "2", "0", "-5"):  # the compiler needs distinct token and sequence counts, both >= 2
+        monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", low)
+        assert runner_module.compile_example_tokens(8192) == 3
     assert runner_module.compile_example_tokens(1) == 1  # but never past the buffers
+    monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", "abc")
+    with pytest.raises(ValueError, match="HF_ACCEL_COMPILE_TOKENS"):
+        runner_module.compile_example_tokens(8192)
+    monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", "1")
 
     model = make_model("llama", num_layers=1)
     model.config._attn_implementation = "sdpa"
@@ -1110,6 +1117,7 @@ def test_compile_example_step_fits_the_context_and_the_batch(monkeypatch):
     accelerate_model(model, attention_backend="torch", enforce_eager=True, num_kv_blocks=64)
     runner = model._hf_accel_state.engine.runner
     assert runner.compile_example_lens(16) == [15, 1]  # the step compiled before the switch existed
+    assert runner.compile_example_lens(3) == [2, 1]  # the smallest that compiles (3 tokens, 2 sequences)
     assert runner.compile_example_lens(256)[-1] == 1 and max(runner.compile_example_lens(256)) <= 32
     lens = runner.compile_example_lens(256)
     assert sum(lens) == min(256, (runner.max_num_seqs - 1) * 32 + 1) and len(lens) <= runner.max_num_seqs

@@ -98,11 +98,15 @@ COMPILE_EXAMPLE_TOKENS = 16
 
 
 def compile_example_tokens(max_num_tokens: int) -> int:
-    """The first compiled step's token count: COMPILE_EXAMPLE_TOKENS (or HF_ACCEL_COMPILE_TOKENS), at least 2 (a
-    prefill sequence and a decode row), at most the step buffers' size."""
+    """The first compiled step's token count: COMPILE_EXAMPLE_TOKENS (or HF_ACCEL_COMPILE_TOKENS), at least 3 (the
+    compiler needs the token count and the number of sequences to differ, both at least 2: a prefill sequence of 2
+    and a decode row), at most the step buffers' size."""
     text = os.environ.get("HF_ACCEL_COMPILE_TOKENS", "").strip()
-    wanted = int(text) if text else COMPILE_EXAMPLE_TOKENS
-    return max(1, min(max(2, wanted), max_num_tokens))
+    try:
+        wanted = int(text) if text else COMPILE_EXAMPLE_TOKENS
+    except ValueError:
+        raise ValueError(f"HF_ACCEL_COMPILE_TOKENS={text!r}: expected a whole number of tokens") from None
+    return max(1, min(max(3, wanted), max_num_tokens))
 
 
 class HostBlockTable:
