@@ -1003,6 +1003,22 @@ def test_compiled_at_a_larger_example_step_matches_stock(monkeypatch):
     assert torch.equal(got, want)
 
 
+def test_compile_with_one_sequence_per_step_falls_back_instead_of_failing():
+    """max_num_seqs=1: the compiler needs an example step of two sequences, which the runner's buffers cannot hold;
+    accelerate_model warns and runs uncompiled (it raised before), with greedy output equal to stock."""
+    from hf_accel import accelerate_model, engine_info
+    from hf_accel.config import AccelConfig
+
+    model = make_model("llama", num_layers=1)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(10, 100, (1, 7))
+    want = model.generate(ids, max_new_tokens=5, do_sample=False)
+    accelerate_model(model, compile=True, num_kv_blocks=32, max_num_seqs=1,
+                     config=AccelConfig(compile_cache_dir=""))
+    assert "compile_error" in engine_info(model).get("fallbacks", {})
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), want)
+
+
 def test_accelerate_and_restore_pack_and_unpack_with_compile(tmp_path):
     from hf_accel import accelerate_model, restore
 
