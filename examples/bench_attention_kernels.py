@@ -458,16 +458,22 @@ def w3_study(args: argparse.Namespace) -> int:
                 print(f"  {label} {name}: failed ({exc.__class__.__name__}: {exc})")
                 continue
             ref = out if ref is None else ref
-            diff = (out.float() - ref.float()).abs().max().item()
-            row = dict(kind="decode", batch=case.batch, ctx=case.ctx, impl=name, shape=label, us=secs * 1e6,
-                       gbps=case.bytes_moved / secs / 1e9, tflops=0.0, max_abs_diff=diff, note=how, timing=how)
-            rows.append(row)
-            print(f"{label:26s} {name:40s} {secs * 1e6:8.1f} us  {row['gbps']:6.0f} GB/s  diff {diff:.1e}",
-                  flush=True)
+            rows.append(study_row(case, label, name, secs, how, out, ref, width=40))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     return 0
+
+
+def study_row(case: Case, label: str, name: str, secs: float, how: str, out: torch.Tensor, ref: torch.Tensor,
+              width: int) -> dict:
+    """One timed decode variant of a study: its row (time, GB/s of KV, difference from the first variant's output),
+    printed as it comes."""
+    diff = (out.float() - ref.float()).abs().max().item()
+    row = dict(kind="decode", batch=case.batch, ctx=case.ctx, impl=name, shape=label, us=secs * 1e6,
+               gbps=case.bytes_moved / secs / 1e9, tflops=0.0, max_abs_diff=diff, note=how, timing=how)
+    print(f"{label:26s} {name:{width}s} {secs * 1e6:8.1f} us  {row['gbps']:6.0f} GB/s  diff {diff:.1e}", flush=True)
+    return row
 
 
 def streaming_read_us(tensors: list[torch.Tensor], args: argparse.Namespace) -> float:
@@ -534,13 +540,8 @@ def layout_study(args: argparse.Namespace) -> int:
                 secs, how = time_call(triton_impl(case, k_cache, v_cache, out, max_blocks,
                                                   longest_first=longest_first), args.reps, args.samples)
                 ref = out if ref is None else ref
-                diff = (out.float() - ref.float()).abs().max().item()
                 name = f"{layout}{', longest first' if longest_first else ''}"
-                row = dict(kind="decode", batch=case.batch, ctx=case.ctx, impl=name, shape=label, us=secs * 1e6,
-                           gbps=case.bytes_moved / secs / 1e9, max_abs_diff=diff, timing=how)
-                rows.append(row)
-                print(f"{label:26s} {name:24s} {secs * 1e6:8.1f} us  {row['gbps']:6.0f} GB/s  diff {diff:.1e}",
-                      flush=True)
+                rows.append(study_row(case, label, name, secs, how, out, ref, width=24))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)

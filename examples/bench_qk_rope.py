@@ -151,6 +151,18 @@ def _load_norm_rope(ptr, heads, head_ok, offs_d, d_ok, stride_h, w_ptr, cos, sin
 
 
 @triton.jit
+def _norm_rope_heads(in_ptr, out_ptr, stride_h, stride_oh, w_ptr, cos, sin, eps, offs_d, d_ok,
+                     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HAS_NORM: tl.constexpr):
+    """One token's heads (`in_ptr`, `out_ptr` at its row) normalised, rotated and stored."""
+    heads = tl.arange(0, HEADS_PAD)
+    ok = heads < NUM_HEADS
+    x = _load_norm_rope(in_ptr, heads, ok, offs_d, d_ok, stride_h, w_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    tl.store(out_ptr + heads[:, None] * stride_oh + offs_d[None, :], x.to(out_ptr.dtype.element_ty),
+             mask=ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_ct, stride_st,
@@ -166,18 +178,10 @@ def _qk_norm_rope_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     cos = tl.load(cos_ptr + t * stride_ct + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_st + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    qh = tl.arange(0, Q_HEADS_PAD)
-    q_ok = qh < NUM_Q_HEADS
-    q = _load_norm_rope(q_ptr + t * stride_qt, qh, q_ok, offs_d, d_ok, stride_qh, q_w_ptr, cos, sin, eps, HEAD_DIM,
-                        HAS_NORM)
-    tl.store(q_out_ptr + t * stride_qot + qh[:, None] * stride_qoh + offs_d[None, :], q.to(q_out_ptr.dtype.element_ty),
-             mask=q_ok[:, None] & d_ok[None, :])
-    kh = tl.arange(0, KV_HEADS_PAD)
-    k_ok = kh < NUM_KV_HEADS
-    k = _load_norm_rope(k_ptr + t * stride_kt, kh, k_ok, offs_d, d_ok, stride_kh, k_w_ptr, cos, sin, eps, HEAD_DIM,
-                        HAS_NORM)
-    tl.store(k_out_ptr + t * stride_kot + kh[:, None] * stride_koh + offs_d[None, :], k.to(k_out_ptr.dtype.element_ty),
-             mask=k_ok[:, None] & d_ok[None, :])
+    _norm_rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh, q_w_ptr, cos, sin, eps,
+                     offs_d, d_ok, NUM_Q_HEADS, Q_HEADS_PAD, HEAD_DIM, HAS_NORM)
+    _norm_rope_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, stride_kh, stride_koh, k_w_ptr, cos, sin, eps,
+                     offs_d, d_ok, NUM_KV_HEADS, KV_HEADS_PAD, HEAD_DIM, HAS_NORM)
 
 
 def launch_qk_norm_rope(query: torch.Tensor, key: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,

@@ -153,9 +153,9 @@ class HostBlockTable:
     def covers(self, last_positions: np.ndarray, block_size: int) -> None:
         """Raise unless each row's blocks (of the last build) hold its last position of the step: the scheduler
         gives every request the blocks of the tokens it schedules, and a step must never write past them."""
-        n = len(last_positions)
-        if (last_positions // block_size >= self.row_blocks[:n]).any():
-            bad = int(np.argmax(last_positions // block_size >= self.row_blocks[:n]))
+        past = last_positions // block_size >= self.row_blocks[: len(last_positions)]
+        if past.any():
+            bad = int(np.argmax(past))
             raise RuntimeError(f"internal error: row {bad} of the step reaches position {int(last_positions[bad])}, "
                                f"past its {int(self.row_blocks[bad])} KV blocks")
 
