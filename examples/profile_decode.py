@@ -38,6 +38,10 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--gated-gemm", action="store_true", help="AccelConfig(gated_gemm=True)")
     ap.add_argument("--log", action="store_true", help="log hf_accel's startup phases (INFO)")
+    ap.add_argument("--runs", type=int, default=3, help="timed generate() calls; the median is printed")
+    ap.add_argument("--walls-only", action="store_true",
+                    help="print the timed calls' wall times and stop (no host or GPU profile): for A/Bs run as "
+                         "alternating processes")
     args = ap.parse_args()
     if args.log:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -79,13 +83,16 @@ def main() -> None:
 
     run()
     walls = []
-    for _ in range(3):
+    for _ in range(max(1, args.runs)):
         t = time.perf_counter()
         run()
         walls.append(time.perf_counter() - t)
-    wall = sorted(walls)[1]
+    wall = sorted(walls)[len(walls) // 2]
     print(f"generate: {wall * 1e3:.1f} ms for {args.new_tokens} steps -> {wall / args.new_tokens * 1e3:.3f} ms/step, "
           f"{args.batch * args.new_tokens / wall:.0f} tok/s")
+    if args.walls_only:
+        print("walls (ms): " + " ".join(f"{w * 1e3:.1f}" for w in walls))
+        return
 
     prof = cProfile.Profile()
     prof.enable()

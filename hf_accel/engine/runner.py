@@ -90,10 +90,12 @@ def capture_warmup_class(model: torch.nn.Module, *, small_m_gemm: bool,
 SPLIT_K_COUNTERS = 1 << 15
 # tokens of the step the forward is first compiled with. Inductor sizes its generated kernels' launch heuristics by
 # this step's token count (the hint of the dynamic dimension) and autotunes each kernel once, on it, so every later
-# step shape runs the configurations chosen here. On the H200 (examples/bench_qk_rope.py, 2026-12-06), Qwen3's q/k
-# norm + RoPE kernels compiled at 16 tokens took 5.6 us at 256 rows and 111 us at 8,192; compiled at 256, 3.4 and
-# 48.7 (3.1 against 3.0 us at one row). 16 stays the default until an engine-level A/B (W1-W3, GPU tests) has run:
-# HF_ACCEL_COMPILE_TOKENS=256 is that A/B's other side (part of the compile cache's key, so each keeps its kernels).
+# step shape runs the configurations chosen here. Alone on the H200 (examples/bench_qk_rope.py, 2026-12-06), Qwen3's
+# q/k norm + RoPE kernels compiled at 16 tokens took 5.6 us at 256 rows and 111 us at 8,192; compiled at 256, 3.4
+# and 48.7. Through the engine the difference is within run-to-run noise (H100, 2026-12-07, qwen3-0.6b, 256 prompts
+# of 512 -> 128 tokens, processes alternated 16/256/256/16: medians 1,020.6 and 1,014.6 ms at 16, 1,007.7 and
+# 1,018.0 at 256), and a start from a warm cache took 31 s at 256 against 13 s at 16, so 16 stays.
+# HF_ACCEL_COMPILE_TOKENS overrides it (part of the compile cache's key).
 COMPILE_EXAMPLE_TOKENS = 16
 
 
