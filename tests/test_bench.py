@@ -515,11 +515,13 @@ def test_resolved_config_of_switches_and_piecewise_sizes_is_recorded():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--piecewise-capture-sizes", "8,1,64", "--no-pdl", "--max-num-seqs", "32"])
+    args = parser.parse_args(["--piecewise-capture-sizes", "8,1,64", "--no-pdl", "--max-num-seqs", "32",
+                              "--split-mixed-attention"])
     kwargs = accel_kwargs(args)
     cfg = resolved_accel_config(kwargs, torch.device("cuda"))
     assert "error" not in cfg, cfg
     assert cfg["piecewise_capture_sizes"] == [1, 8, 64] and cfg["pdl"] is False and cfg["max_num_seqs"] == 32
+    assert cfg["split_mixed_attention"] is True
     argv = _accel_argv(args)
     assert argv[argv.index("--piecewise-capture-sizes") + 1] == "8,1,64"
 

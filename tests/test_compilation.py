@@ -1272,3 +1272,18 @@ def test_upload_never_rewrites_a_host_mirror_a_pending_copy_reads(device):
         assert runner.inputs_ready is not None and runner.inputs_ready is not before  # its copy is marked
     else:
         assert runner.inputs_ready is None  # CPU copies are synchronous: nothing to wait for
+
+
+def test_split_mixed_attention_reaches_the_backend():
+    """AccelConfig(split_mixed_attention=True) sets the backend's switch (off by default); on the GPU,
+    tests/test_gpu_ab.py checks that cudagraph_mode="full" (mixed steps captured whole) leaves it off."""
+    from hf_accel import accelerate_model, restore
+    from hf_accel.api import engine_of
+    from hf_accel.config import AccelConfig
+
+    model = make_model("qwen3", num_layers=2)
+    for split in (False, True):
+        accelerate_model(model, num_kv_blocks=64, config=AccelConfig(split_mixed_attention=split,
+                                                                     compile_cache_dir=""))
+        assert engine_of(model).backend.split_mixed is split
+        restore(model)

@@ -167,6 +167,41 @@ def test_backend_mode_matches_stock(shape, backend, mode):
 
 
 @requires_cuda
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "none", "full"])
+def test_split_mixed_attention_matches_stock(mode):
+    """AccelConfig(split_mixed_attention=True): mixed steps with at least 16 leading decode rows run those through
+    the decode kernel and the rest through the unified kernel (not under mode "full", which captures mixed steps
+    whole); greedy output stays stock's."""
+    from hf_accel.api import engine_of
+
+    model = gpu_model("qwen3-0.6b")
+    ids, mask = batch([20 + 3 * i for i in range(20)] + [300, 280, 310, 290], seed=5)
+    new = 24
+    ref, ref_scores = reference(model, ids, mask, new)
+    kwargs = {"enforce_eager": True} if mode == "none" else {"cudagraph_mode": mode}
+    accelerate_model(model, attention_backend="triton", max_num_batched_tokens=256,
+                     config=AccelConfig(split_mixed_attention=True), **kwargs)
+    planned: list[int] = []
+    try:
+        backend = engine_of(model).backend
+        assert backend.split_mixed is (mode != "full")
+        plan = backend._plan_mixed_split
+
+        def recording(meta):
+            plan(meta)
+            planned.append(backend._mixed_decode_rows)
+        backend._plan_mixed_split = recording
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    finally:
+        restore(model)
+    if mode == "full":
+        assert not any(planned)
+    else:
+        assert max(planned) >= 16, planned
+    assert_greedy_matches(ref, got, ref_scores, ids.shape[1])
+
+
+@requires_cuda
 def test_large_prefill_step_replays_a_piecewise_graph():
     """With the default sizes, qwen3-0.6b (small enough that a large step is host-bound) captures piecewise graphs up
     to the 8,192-token budget (config.large_piecewise_sizes): a ~5,000-token prefill step replays the 8,192 graph,

@@ -463,6 +463,106 @@ def test_unsplit_decode_longest_first(pad_seqs):
     assert (ordered._seq_order == -1).all()
 
 
+def split_mixed_backend(step: Step, min_rows: int = 2, **kwargs) -> TritonAttentionBackend:
+    be = make_backend(step, **kwargs)
+    be.split_mixed = True  # AccelConfig.split_mixed_attention, as the engine sets it
+    be.min_split_decode_rows = min_rows  # the real threshold (16) needs more sequences than the interpreter likes
+    return be
+
+
+def recorded_launches(monkeypatch, be: TritonAttentionBackend) -> list[tuple[str, int, int]]:
+    """(kernel, query rows, sequences) of every attention launch `be` makes from now on."""
+    launches: list[tuple[str, int, int]] = []
+    for module, name in ((be._split, "split_kv_decode"), (be._unified, "unified_attention")):
+        real = getattr(module, name)
+
+        def record(query, k_cache, v_cache, output, query_start_loc, seq_lens, *args, _real=real, _name=name,
+                   **kwargs):
+            launches.append((_name, query.shape[0], seq_lens.shape[0]))
+            return _real(query, k_cache, v_cache, output, query_start_loc, seq_lens, *args, **kwargs)
+        monkeypatch.setattr(module, name, record)
+    return launches
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_kv_splits", [None, 1, 2, 0])
+@pytest.mark.parametrize("pad", [0, 2])
+def test_mixed_step_split_into_decode_and_unified_launches(monkeypatch, dtype, num_kv_splits, pad):
+    """split_mixed: a mixed step's leading decode rows go to the decode kernel (unsplit, split, or, with no decode
+    kernel for the batch, the unified kernel's decode tile) and the rows after them to the unified kernel, each on
+    its own slice; the output matches the reference, graph-padded rows are zeros and the step's K/V are written
+    once, before both launches."""
+    step = make_step([1, 1, 1, 1, 12, 1, 5], [33, 70, 7, 129, 0, 20, 9], dtype=dtype, pad_seqs=pad,
+                     pad_tokens=pad + 3, seed=40)
+    be = split_mixed_backend(step, num_kv_splits=num_kv_splits)  # default tiles: the split scratch is sized by them
+    launches = recorded_launches(monkeypatch, be)
+    scale = step.query.shape[-1] ** -0.5
+    caches: list = []
+    out = run_triton(step, be, scale, 0, 0.0, caches=caches)
+    assert be._mixed_decode_rows == 4
+    rows, seqs = step.query.shape[0], step.meta.seq_lens.shape[0]
+    first = "unified_attention" if num_kv_splits == 0 else "split_kv_decode"
+    assert launches == [(first, 4, 4), ("unified_attention", rows - 4, seqs - 4)]
+    matches_reference(step, out, scale)
+    plain = make_backend(step, num_kv_splits=num_kv_splits)
+    plain_caches: list = []
+    run_triton(step, plain, scale, 0, 0.0, caches=plain_caches)
+    for g, w in zip(caches, plain_caches, strict=True):
+        assert torch.equal(g.nan_to_num(123.0), w.nan_to_num(123.0))
+    check(step, be, window=9, softcap=2.5)
+    check(step, be, scale=0.7)
+
+
+def test_mixed_step_split_decode_rows_longest_first(monkeypatch):
+    """An unsplit decode launch for a split mixed step takes its decode rows longest first, like a decode step's."""
+    step = make_step([1, 1, 1, 7, 1], [3, 129, 40, 10, 50], seed=41)
+    be = split_mixed_backend(step, num_kv_splits=1, decode_block_n=16)
+    check(step, be)
+    total = be._seq_order.numel()
+    assert be._mixed_decode_rows == 3 and be._seq_order.tolist() == [1, 2, 0] + list(range(3, total))
+
+
+def test_mixed_step_not_split(monkeypatch):
+    """No split: the switch off, fewer leading decode rows than the threshold (16 by default), no leading decode row
+    (decodes after a prefill), a uniform decode step (the decode kernel alone), or a launch for a step prepare()
+    did not plan (a smaller mixed step after a planned one: the plan's slices are not its own)."""
+    from hf_accel.attention.triton_backend import MIXED_SPLIT_MIN_DECODE_ROWS
+
+    mixed = make_step([1, 1, 1, 6, 1], [20, 9, 40, 3, 17], seed=42)
+    off = make_backend(mixed)
+    assert off.split_mixed is False  # the default (AccelConfig.split_mixed_attention)
+    launches = recorded_launches(monkeypatch, off)
+    check(mixed, off)
+    assert launches[0][0] == "unified_attention" and launches[0][1] == mixed.query.shape[0]
+
+    default_threshold = make_backend(mixed)
+    default_threshold.split_mixed = True
+    assert default_threshold.min_split_decode_rows == MIXED_SPLIT_MIN_DECODE_ROWS == 16
+    check(mixed, default_threshold)
+    assert default_threshold._mixed_decode_rows == 0
+
+    prefill_first = make_step([6, 1, 1, 1], [3, 20, 9, 40], seed=43)
+    be = split_mixed_backend(prefill_first)
+    check(prefill_first, be)
+    assert be._mixed_decode_rows == 0
+
+    decode = make_step([1] * 4, [20, 9, 40, 3], seed=44)
+    check(decode, be)
+    assert be._mixed_decode_rows == 0 and be._planned_splits >= 1
+
+    be.prepare(mixed.meta)
+    assert be._mixed_decode_rows == 3
+    small = make_step([1, 1, 4], [12, 30, 2], seed=45)
+    launches.clear()
+    launches += recorded_launches(monkeypatch, be)
+    out = torch.full_like(small.query, float("nan"))
+    kc, vc = small.k_cache.clone(), small.v_cache.clone()
+    be.write_kv(small.key, small.value, kc, vc, small.meta)
+    be.forward(small.query, kc, vc, small.meta, out, small.query.shape[-1] ** -0.5, 0, 0.0)
+    matches_reference(small, out, small.query.shape[-1] ** -0.5)
+    assert [name for name, *_ in launches[-1:]] == ["unified_attention"] and len(launches) == 1
+
+
 def test_split_kv_decode_one_tile_contexts_write_directly():
     """With the merge fused, a sequence whose keys fit one tile has one split with keys, which writes its output row
     itself (no partial, no ticket): the same result as the merge kernel over its partials, counters untouched."""
@@ -593,6 +693,22 @@ def test_gpu_prefill_and_mixed_bf16(head_dim, block_size, mix):
                      dtype=torch.bfloat16, pad_seqs=2, pad_tokens=5, seed=head_dim)
     be = make_backend(step, max_num_seqs=256)
     check(step, be)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_mixed_step_split_bf16(head_dim, block_size):
+    """split_mixed at a W3-like mix: 20 leading decode rows (past the real threshold of 16), then prefill chunks."""
+    qlens, ctx = [1] * 20 + [700, 129], list(range(100, 2100, 100)) + [0, 3000]
+    step = make_step(qlens, ctx, num_heads=16, num_kv_heads=8, head_dim=head_dim, block_size=block_size,
+                     dtype=torch.bfloat16, pad_seqs=2, pad_tokens=5, seed=head_dim + 1)
+    be = make_backend(step, max_num_seqs=256)
+    be.split_mixed = True
+    check(step, be)
+    assert be._mixed_decode_rows == 20
+    check(step, be, window=1000, softcap=30.0)
 
 
 @pytest.mark.gpu

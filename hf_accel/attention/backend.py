@@ -196,6 +196,10 @@ class AttentionBackend:
         # a wide decode batch's attention programs start with the longest contexts, where the backend can order
         # them (AccelConfig.decode_longest_first; the engine sets it)
         self.longest_first = True
+        # a mixed step's leading decode rows run the decode kernel and the rest the prefill-shaped kernel, where the
+        # backend has both and the step's attention runs outside a full CUDA graph (AccelConfig.
+        # split_mixed_attention; the engine sets it, and leaves it off when mixed steps are captured whole)
+        self.split_mixed = False
 
     def prepare(self, meta: StepMetadata) -> None:
         """Once per step, before the forward (and outside any CUDA graph capture): build backend state."""

@@ -7,6 +7,14 @@ programs (plus a merge) where the batch alone would leave SMs idle. Every launch
 launch constants picked from the batch shape, never from per-step lengths, and all scratch is allocated in
 `__init__`, so any step can be captured in a CUDA graph and replayed with other lengths.
 
+A mixed step (prefill chunks beside decodes) runs the unified kernel with its prefill tile: 64 query tokens per
+program, so a decode row uses 1/64 of its program's rows and reads its whole context that way. With `split_mixed`
+(AccelConfig.split_mixed_attention) the step's leading run of one-token rows, where the scheduler puts running
+decodes, goes to the decode kernel and only the rows after it to the unified kernel: two launches, each on its own
+slice of the step. That plan depends on the step's query lengths, so it is only made for steps whose attention runs
+outside a captured graph (piecewise graphs are cut at attention; the engine leaves it off when mixed steps are
+captured whole).
+
 Triton itself is imported lazily (in `__init__`): this module imports without it, so the registry can report
 "triton is not installed" instead of failing, and tests can switch on `TRITON_INTERPRET=1` before the kernels are
 defined, which lets the class run on CPU tensors in the interpreter.
@@ -27,6 +35,9 @@ if TYPE_CHECKING:
     from hf_accel.attention.kernels.common import TileConfig
 
 DEFAULT_NUM_SMS = 132  # H100/H200; used when the device is not a CUDA GPU (interpreter runs)
+# fewest leading decode rows for which a mixed step's attention is split into two launches (`split_mixed`): below
+# it the decode rows' programs are a small part of the unified launch and the second launch would cost more
+MIXED_SPLIT_MIN_DECODE_ROWS = 16
 
 
 def _triton_import_error() -> str | None:
@@ -112,6 +123,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._seq_order_host: torch.Tensor | None = None  # pinned staging buffer (CUDA), allocated on first use
         self._seq_order_copied: torch.cuda.Event | None = None  # the last copy out of the staging buffer
         self._seq_order_identity = True  # what the device buffer holds now
+        # the planned step's split (`split_mixed`): its leading decode rows, their decode-kernel split count, and
+        # the rest's query_start_loc rebased to its first row (0: no split)
+        self.min_split_decode_rows = MIXED_SPLIT_MIN_DECODE_ROWS
+        self._mixed_decode_rows = 0
+        self._mixed_decode_splits = 0
+        self._mixed_rest_starts: torch.Tensor | None = None
 
     def _num_splits_for(self, num_seqs: int) -> int:
         """Split count for a decode batch of `num_seqs` (padded) sequences: >= 1 the decode kernel with that many
@@ -152,15 +169,38 @@ class TritonAttentionBackend(AttentionBackend):
         """
         self._planned_meta = meta
         self._planned_splits = self.splits_for_step(meta)
-        if self._planned_splits == 1 and self.longest_first:
-            self._order_longest_first(meta)
+        self._plan_mixed_split(meta)
+        if self.longest_first and (self._planned_splits == 1 or self._mixed_decode_splits == 1):
+            n = self._mixed_decode_rows or meta.num_seqs
+            self._order_longest_first(meta.seq_lens_cpu[:n])
 
-    def _order_longest_first(self, meta: StepMetadata) -> None:
-        """Write the order in which the unsplit decode launch takes the step's sequences: longest first, padded rows
-        last. A wide decode batch runs several waves of programs; launched in batch order, the longest contexts
-        may start in the last wave and run while the rest of the GPU idles. Already in that order (equal lengths, as
-        in a batch of one prompt length): the identity, written only if the buffer holds something else."""
-        lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+    def _plan_mixed_split(self, meta: StepMetadata) -> None:
+        """With `split_mixed`: for a mixed step (longer queries beside decodes) with at least
+        `min_split_decode_rows` leading one-token rows, plan the decode kernel for those rows and the unified kernel
+        for the rest. Needs the host's query lengths (the runner always sends them)."""
+        self._mixed_decode_rows = self._mixed_decode_splits = 0
+        self._mixed_rest_starts = None
+        if not self.split_mixed or meta.max_query_len == 1 or self._planned_splits != 0:
+            return
+        query_lens = meta.query_lens_cpu
+        if len(query_lens) < meta.num_seqs:
+            return
+        rows = next((i for i, q in enumerate(query_lens[: meta.num_seqs]) if q != 1), meta.num_seqs)
+        if rows < max(self.min_split_decode_rows, 1) or rows >= meta.num_seqs:
+            return  # few decode rows, or no longer query after them (then max_query_len would be 1)
+        splits = self._num_splits_for(rows)
+        if splits > 1 and rows * splits > self._split_rows:
+            return  # unreachable (rows <= max_num_seqs), kept as splits_for_step keeps it
+        self._mixed_decode_rows, self._mixed_decode_splits = rows, splits
+        self._mixed_rest_starts = meta.query_start_loc[rows:] - rows
+
+    def _order_longest_first(self, seq_lens: list[int]) -> None:
+        """Write the order in which the unsplit decode launch takes the sequences of `seq_lens` (the step's, or its
+        leading decode rows'): longest first, padded rows last. A wide decode batch runs several waves of programs;
+        launched in batch order, the longest contexts may start in the last wave and run while the rest of the GPU
+        idles. Already in that order (equal lengths, as in a batch of one prompt length): the identity, written only
+        if the buffer holds something else."""
+        lens = np.asarray(seq_lens, dtype=np.int64)
         n = len(lens)
         identity = bool((lens[1:] <= lens[:-1]).all())  # already longest first
         if identity and self._seq_order_identity:
@@ -208,8 +248,12 @@ class TritonAttentionBackend(AttentionBackend):
     def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
                 output: torch.Tensor, scale: float, sliding_window: int, softcap: float, splits: int,
                 new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
-        """The decode kernel (`new_kv`: the step's new rows, written by it) or the unified kernel."""
-        if splits >= 1:
+        """The decode kernel (`new_kv`: the step's new rows, written by it) or the unified kernel; for a split mixed
+        step (`_plan_mixed_split`), the decode kernel on its leading decode rows and the unified kernel on the rest."""
+        d = self._mixed_decode_rows if self._planned_meta is meta else 0
+        if d:
+            self._attend_mixed_split(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, d)
+        elif splits >= 1:
             self._split.split_kv_decode(
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
@@ -221,3 +265,27 @@ class TritonAttentionBackend(AttentionBackend):
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, sliding_window, softcap, meta.max_query_len, self.unified_config, self.use_pdl,
             )
+
+    def _attend_mixed_split(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: StepMetadata, output: torch.Tensor, scale: float, sliding_window: int,
+                            softcap: float, d: int) -> None:
+        """Rows `[0, d)` (one token per sequence, KV already written) through the decode kernel, every row after
+        them through the unified kernel, each launch on its own slices of the step's tensors."""
+        splits = self._mixed_decode_splits
+        if splits >= 1:
+            self._split.split_kv_decode(
+                query[:d], k_cache, v_cache, output[:d], meta.query_start_loc[: d + 1], meta.seq_lens[:d],
+                meta.block_tables[:d], scale, sliding_window, softcap, splits, self._part_out, self._part_lse,
+                self.decode_config, self.use_pdl, self._merge_counters if self.fused_split_reductions else None,
+                None, self._seq_order if splits == 1 and self.longest_first else None,
+            )
+        else:  # no decode kernel for this batch (decode_attention_kernel off): the unified kernel's decode tile
+            self._unified.unified_attention(
+                query[:d], k_cache, v_cache, output[:d], meta.query_start_loc[: d + 1], meta.seq_lens[:d],
+                meta.block_tables[:d], scale, sliding_window, softcap, 1, self.unified_config, self.use_pdl,
+            )
+        self._unified.unified_attention(
+            query[d:], k_cache, v_cache, output[d:], self._mixed_rest_starts, meta.seq_lens[d:],
+            meta.block_tables[d:], scale, sliding_window, softcap, meta.max_query_len, self.unified_config,
+            self.use_pdl,
+        )

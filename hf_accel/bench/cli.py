@@ -209,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--decode-longest-first", action=argparse.BooleanOptionalAction, default=None,
                    help="a wide decode batch's attention programs start with the longest contexts (default: on); "
                         "--no-decode-longest-first launches them in batch order")
+    a.add_argument("--split-mixed-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="a mixed step's leading decode rows run the decode kernel, the rest the unified kernel "
+                        "(default: off; triton backend)")
     a.add_argument("--graph-greedy-argmax", action=argparse.BooleanOptionalAction, default=None,
                    help="full decode graphs end with the greedy argmax (default: on); --no-graph-greedy-argmax "
                         "leaves it to the sampler after the graph")

@@ -173,6 +173,9 @@ class LLMEngine:
         self.backend.fused_split_reductions = cfg.fused_split_reductions
         self.backend.decode_kernel = cfg.decode_attention_kernel
         self.backend.longest_first = cfg.decode_longest_first
+        # a split plan follows the step's query lengths: never for steps captured whole (mode "full" captures mixed
+        # steps; piecewise graphs are cut at attention, so their attention may split)
+        self.backend.split_mixed = cfg.split_mixed_attention and cfg.cudagraph_mode != CUDAGraphMode.FULL
         mixed_sizes = cfg.piecewise_capture_sizes
         if (cfg._piecewise_sizes_derived and mixed_sizes and cfg.compile
                 and cfg.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE):  # resolved: an enum member
