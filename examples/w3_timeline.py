@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--scale", default="full", choices=tuple(SCALES))
     ap.add_argument("--piecewise-capture-sizes", default=None, help="comma-separated token counts")
     ap.add_argument("--gated-gemm", action="store_true", help="AccelConfig(gated_gemm=True)")
+    ap.add_argument("--split-mixed-attention", action="store_true", help="AccelConfig(split_mixed_attention=True)")
     ap.add_argument("--kernels", action="store_true", help="one more call under torch.profiler: GPU time per kernel")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--device", default="cuda")
@@ -48,6 +49,8 @@ def main() -> None:
     model = build_model(a.shape, None, torch.bfloat16 if dev.type == "cuda" else torch.float32, dev, "none")
     disable_eos(model)
     fields = {"gated_gemm": True} if a.gated_gemm else {}
+    if a.split_mixed_attention:
+        fields["split_mixed_attention"] = True
     if a.piecewise_capture_sizes:
         fields["piecewise_capture_sizes"] = _ints(a.piecewise_capture_sizes)
     kw = {"config": AccelConfig(**fields)} if fields else {}
