@@ -470,8 +470,10 @@ def split_mixed_backend(step: Step, min_rows: int = 2, **kwargs) -> TritonAttent
     return be
 
 
-def recorded_launches(monkeypatch, be: TritonAttentionBackend) -> list[tuple[str, int, int]]:
-    """(kernel, query rows, sequences) of every attention launch `be` makes from now on."""
+def recorded_launches(monkeypatch, be: TritonAttentionBackend, calls: list | None = None
+                      ) -> list[tuple[str, int, int]]:
+    """(kernel, query rows, sequences) of every attention launch `be` makes from now on; `calls` gets (kernel, the
+    launch's positional arguments after `seq_lens`)."""
     launches: list[tuple[str, int, int]] = []
     for module, name in ((be._split, "split_kv_decode"), (be._unified, "unified_attention")):
         real = getattr(module, name)
@@ -479,6 +481,8 @@ def recorded_launches(monkeypatch, be: TritonAttentionBackend) -> list[tuple[str
         def record(query, k_cache, v_cache, output, query_start_loc, seq_lens, *args, _real=real, _name=name,
                    **kwargs):
             launches.append((_name, query.shape[0], seq_lens.shape[0]))
+            if calls is not None:
+                calls.append((_name, args))
             return _real(query, k_cache, v_cache, output, query_start_loc, seq_lens, *args, **kwargs)
         monkeypatch.setattr(module, name, record)
     return launches
@@ -495,7 +499,8 @@ def test_mixed_step_split_into_decode_and_unified_launches(monkeypatch, dtype, n
     step = make_step([1, 1, 1, 1, 12, 1, 5], [33, 70, 7, 129, 0, 20, 9], dtype=dtype, pad_seqs=pad,
                      pad_tokens=pad + 3, seed=40)
     be = split_mixed_backend(step, num_kv_splits=num_kv_splits)  # default tiles: the split scratch is sized by them
-    launches = recorded_launches(monkeypatch, be)
+    calls: list = []
+    launches = recorded_launches(monkeypatch, be, calls)
     scale = step.query.shape[-1] ** -0.5
     caches: list = []
     out = run_triton(step, be, scale, 0, 0.0, caches=caches)
@@ -503,14 +508,29 @@ def test_mixed_step_split_into_decode_and_unified_launches(monkeypatch, dtype, n
     rows, seqs = step.query.shape[0], step.meta.seq_lens.shape[0]
     first = "unified_attention" if num_kv_splits == 0 else "split_kv_decode"
     assert launches == [(first, 4, 4), ("unified_attention", rows - 4, seqs - 4)]
+    if first == "split_kv_decode":  # the decode rows' K/V go to their launch, as a decode step's do
+        new_kv = calls[0][1][10]
+        assert new_kv is not None and new_kv[0].shape[0] == 4 and new_kv[2].shape[0] == 4
+    assert calls[1][1][4] == step.meta.max_query_len  # the rest: the unified kernel's prefill tile
     matches_reference(step, out, scale)
     plain = make_backend(step, num_kv_splits=num_kv_splits)
     plain_caches: list = []
     run_triton(step, plain, scale, 0, 0.0, caches=plain_caches)
-    for g, w in zip(caches, plain_caches, strict=True):
+    for g, w in zip(caches, plain_caches, strict=True):  # every new K/V row written, padded slots skipped
         assert torch.equal(g.nan_to_num(123.0), w.nan_to_num(123.0))
+    separate = run_triton(step, be, scale, 0, 0.0, separate=True)  # write_kv, then forward: K/V already there
+    assert torch.equal(separate.nan_to_num(7.0), out.nan_to_num(7.0))
     check(step, be, window=9, softcap=2.5)
     check(step, be, scale=0.7)
+
+
+def test_mixed_step_split_threshold_is_inclusive():
+    """Exactly `min_split_decode_rows` leading decode rows split; one fewer does not."""
+    step = make_step([1, 1, 1, 1, 6], [9, 30, 2, 17, 4], seed=46)
+    check(step, be := split_mixed_backend(step, min_rows=4))
+    assert be._mixed_decode_rows == 4
+    check(step, be := split_mixed_backend(step, min_rows=5))
+    assert be._mixed_decode_rows == 0
 
 
 def test_mixed_step_split_decode_rows_longest_first(monkeypatch):
@@ -520,6 +540,15 @@ def test_mixed_step_split_decode_rows_longest_first(monkeypatch):
     check(step, be)
     total = be._seq_order.numel()
     assert be._mixed_decode_rows == 3 and be._seq_order.tolist() == [1, 2, 0] + list(range(3, total))
+    # the decode rows' launch reads the order: with every entry 0 only sequence 0's programs run there
+    scale = step.query.shape[-1] ** -0.5
+    be.prepare(step.meta)
+    be._seq_order.fill_(0)
+    out = torch.full_like(step.query, float("nan"))
+    kc, vc = step.k_cache.nan_to_num(0.0), step.v_cache.nan_to_num(0.0)
+    be.write_kv(step.key, step.value, kc, vc, step.meta)
+    be.forward(step.query, kc, vc, step.meta, out, scale, 0, 0.0)
+    assert not out[0].isnan().any() and out[1:3].isnan().all() and not out[3:].isnan().any()
 
 
 def test_mixed_step_not_split(monkeypatch):

@@ -231,6 +231,12 @@ class TritonAttentionBackend(AttentionBackend):
         """A decode-kernel step hands the new K/V to its launch, which writes them itself when it is unsplit or its
         merge is fused (no KV write kernel); every other step writes them first, then attends."""
         splits = self._splits(meta)
+        d = self._mixed_decode_rows if self._planned_meta is meta else 0
+        if d:  # a split mixed step: the rest's rows written here, the decode rows' by their own launch (below)
+            self._kv_write.write_kv(key[d:], value[d:], k_cache, v_cache, meta.slot_mapping[d:], self.use_pdl)
+            self._attend_mixed_split(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, d,
+                                     (key[:d], value[:d], meta.slot_mapping[:d]))
+            return
         new_kv = (key, value, meta.slot_mapping)
         if splits == 0:
             self.write_kv(key, value, k_cache, v_cache, meta)
@@ -252,7 +258,7 @@ class TritonAttentionBackend(AttentionBackend):
         step (`_plan_mixed_split`), the decode kernel on its leading decode rows and the unified kernel on the rest."""
         d = self._mixed_decode_rows if self._planned_meta is meta else 0
         if d:
-            self._attend_mixed_split(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, d)
+            self._attend_mixed_split(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, d, None)
         elif splits >= 1:
             self._split.split_kv_decode(
                 query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -268,18 +274,23 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _attend_mixed_split(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: StepMetadata, output: torch.Tensor, scale: float, sliding_window: int,
-                            softcap: float, d: int) -> None:
-        """Rows `[0, d)` (one token per sequence, KV already written) through the decode kernel, every row after
-        them through the unified kernel, each launch on its own slices of the step's tensors."""
+                            softcap: float, d: int,
+                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        """Rows `[0, d)` (one token per sequence) through the decode kernel, every row after them through the
+        unified kernel, each launch on its own slices of the step's tensors. `new_kv`: the decode rows' new K/V,
+        written by their launch as a decode step's launch writes its own (the same kernel variants, so a split step
+        builds none of its own); None when the caller wrote them. The rest's K/V are written before this."""
         splits = self._mixed_decode_splits
         if splits >= 1:
             self._split.split_kv_decode(
                 query[:d], k_cache, v_cache, output[:d], meta.query_start_loc[: d + 1], meta.seq_lens[:d],
                 meta.block_tables[:d], scale, sliding_window, softcap, splits, self._part_out, self._part_lse,
                 self.decode_config, self.use_pdl, self._merge_counters if self.fused_split_reductions else None,
-                None, self._seq_order if splits == 1 and self.longest_first else None,
+                new_kv, self._seq_order if splits == 1 and self.longest_first else None,
             )
         else:  # no decode kernel for this batch (decode_attention_kernel off): the unified kernel's decode tile
+            if new_kv is not None:
+                self._kv_write.write_kv(*new_kv[:2], k_cache, v_cache, new_kv[2], self.use_pdl)
             self._unified.unified_attention(
                 query[:d], k_cache, v_cache, output[:d], meta.query_start_loc[: d + 1], meta.seq_lens[:d],
                 meta.block_tables[:d], scale, sliding_window, softcap, 1, self.unified_config, self.use_pdl,
