@@ -1274,16 +1274,24 @@ def test_upload_never_rewrites_a_host_mirror_a_pending_copy_reads(device):
         assert runner.inputs_ready is None  # CPU copies are synchronous: nothing to wait for
 
 
-def test_split_mixed_attention_reaches_the_backend():
-    """AccelConfig(split_mixed_attention=True) sets the backend's switch (off by default); on the GPU,
-    tests/test_gpu_ab.py checks that cudagraph_mode="full" (mixed steps captured whole) leaves it off."""
+def test_split_mixed_attention_reaches_the_backend(caplog):
+    """AccelConfig(split_mixed_attention=True) sets the backend's switch (off by default), and says so where it has
+    no effect (here the torch backend, which has no split path); on the GPU, tests/test_gpu_ab.py checks that
+    cudagraph_mode="full" (mixed steps captured whole) leaves it off."""
+    import logging
+
     from hf_accel import accelerate_model, restore
     from hf_accel.api import engine_of
     from hf_accel.config import AccelConfig
 
     model = make_model("qwen3", num_layers=2)
     for split in (False, True):
-        accelerate_model(model, num_kv_blocks=64, config=AccelConfig(split_mixed_attention=split,
-                                                                     compile_cache_dir=""))
-        assert engine_of(model).backend.split_mixed is split
+        with caplog.at_level(logging.INFO, logger="hf_accel"):
+            accelerate_model(model, num_kv_blocks=64, config=AccelConfig(split_mixed_attention=split,
+                                                                         compile_cache_dir=""))
+        backend = engine_of(model).backend
+        assert backend.split_mixed is split and backend.splits_mixed_steps is False  # torch on the CPU
+        noted = "split_mixed_attention=True has no effect here (the torch backend" in caplog.text
+        assert noted is split
+        caplog.clear()
         restore(model)

@@ -69,6 +69,8 @@ class AttentionBackend:
     # its kernels are our Triton ones, launched through ops.triton_build.launcher: a first step can be built
     # ahead, compile-only, in parallel (the autotune's first calls)
     builds_triton_kernels: ClassVar[bool] = False
+    # it can run a mixed step's leading decode rows through a decode kernel of its own (`split_mixed`)
+    splits_mixed_steps: ClassVar[bool] = False
 
     def capture_variant(self, num_seqs: int, uniform_decode: bool) -> Hashable:
         """What, besides the padded size's warm-up class, picks this backend's kernels and state in a full CUDA graph

@@ -58,6 +58,7 @@ class TritonAttentionBackend(AttentionBackend):
     requires_cuda = True
     cudagraph_support = CUDAGraphSupport.ALWAYS
     builds_triton_kernels = True
+    splits_mixed_steps = True
 
     @classmethod
     def unavailable_reasons(cls, spec: AttentionSpec | None, device: torch.device) -> list[str]:
