@@ -191,7 +191,7 @@ class TritonAttentionBackend(AttentionBackend):
             return  # few decode rows, or no longer query after them (then max_query_len would be 1)
         splits = self._num_splits_for(rows)
         if splits > 1 and rows * splits > self._split_rows:
-            return  # unreachable (rows <= max_num_seqs), kept as splits_for_step keeps it
+            return  # only after a tile override changed the split counts the scratch was sized for
         self._mixed_decode_rows, self._mixed_decode_splits = rows, splits
         self._mixed_rest_starts = meta.query_start_loc[rows:] - rows
 
@@ -229,19 +229,19 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv_and_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata, output: torch.Tensor,
                              scale: float, sliding_window: int, softcap: float) -> None:
-        """A decode-kernel step hands the new K/V to its launch, which writes them itself when it is unsplit or its
-        merge is fused (no KV write kernel); every other step writes them first, then attends."""
+        """A decode-kernel launch takes its rows' new K/V and writes them itself when it is unsplit or its merge is
+        fused (no KV write kernel); every other row's K/V are written first, then the step attends. In a split
+        mixed step that means the rows after the decode rows are written here and the decode rows by their launch."""
         splits = self._splits(meta)
-        d = self._mixed_decode_rows if self._planned_meta is meta else 0
-        if d:  # a split mixed step: the rest's rows written here, the decode rows' by their own launch (below)
+        d = self._split_decode_rows(meta)
+        if d:
             self._kv_write.write_kv(key[d:], value[d:], k_cache, v_cache, meta.slot_mapping[d:], self.use_pdl)
-            self._attend_mixed_split(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, d,
-                                     (key[:d], value[:d], meta.slot_mapping[:d]))
-            return
-        new_kv = (key, value, meta.slot_mapping)
-        if splits == 0:
+            new_kv = (key[:d], value[:d], meta.slot_mapping[:d])
+        elif splits == 0:
             self.write_kv(key, value, k_cache, v_cache, meta)
             new_kv = None
+        else:
+            new_kv = (key, value, meta.slot_mapping)
         self._attend(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, splits, new_kv)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
@@ -252,52 +252,44 @@ class TritonAttentionBackend(AttentionBackend):
     def _splits(self, meta: StepMetadata) -> int:
         return self._planned_splits if self._planned_meta is meta else self.splits_for_step(meta)
 
+    def _split_decode_rows(self, meta: StepMetadata) -> int:
+        """Leading decode rows of a split mixed step (`_plan_mixed_split`); 0 for any step prepare() did not plan."""
+        return self._mixed_decode_rows if self._planned_meta is meta else 0
+
     def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
                 output: torch.Tensor, scale: float, sliding_window: int, softcap: float, splits: int,
                 new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
-        """The decode kernel (`new_kv`: the step's new rows, written by it) or the unified kernel; for a split mixed
-        step (`_plan_mixed_split`), the decode kernel on its leading decode rows and the unified kernel on the rest."""
-        d = self._mixed_decode_rows if self._planned_meta is meta else 0
-        if d:
-            self._attend_mixed_split(query, k_cache, v_cache, meta, output, scale, sliding_window, softcap, d, None)
-        elif splits >= 1:
-            self._split.split_kv_decode(
-                query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                scale, sliding_window, softcap, splits, self._part_out, self._part_lse, self.decode_config,
-                self.use_pdl, self._merge_counters if self.fused_split_reductions else None, new_kv,
-                self._seq_order if splits == 1 and self.longest_first and self._planned_meta is meta else None,
-            )
-        else:
-            self._unified.unified_attention(
-                query, k_cache, v_cache, output, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                scale, sliding_window, softcap, meta.max_query_len, self.unified_config, self.use_pdl,
-            )
+        """The step's launch, or for a split mixed step two: its leading decode rows through the decode kernel
+        (`new_kv`: those rows' K/V), every row after them through the unified kernel, each on its own slices."""
+        d = self._split_decode_rows(meta)
+        starts, lens, tables = meta.query_start_loc, meta.seq_lens, meta.block_tables
+        if not d:
+            self._launch(query, k_cache, v_cache, output, starts, lens, tables, scale, sliding_window, softcap,
+                         splits, meta.max_query_len, new_kv, ordered=self._planned_meta is meta)
+            return
+        self._launch(query[:d], k_cache, v_cache, output[:d], starts[: d + 1], lens[:d], tables[:d], scale,
+                     sliding_window, softcap, self._mixed_decode_splits, 1, new_kv, ordered=True)
+        self._launch(query[d:], k_cache, v_cache, output[d:], self._mixed_rest_starts, lens[d:], tables[d:], scale,
+                     sliding_window, softcap, 0, meta.max_query_len, None, ordered=False)
 
-    def _attend_mixed_split(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: StepMetadata, output: torch.Tensor, scale: float, sliding_window: int,
-                            softcap: float, d: int,
-                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
-        """Rows `[0, d)` (one token per sequence) through the decode kernel, every row after them through the
-        unified kernel, each launch on its own slices of the step's tensors. `new_kv`: the decode rows' new K/V,
-        written by their launch as a decode step's launch writes its own (the same kernel variants, so a split step
-        builds none of its own); None when the caller wrote them. The rest's K/V are written before this."""
-        splits = self._mixed_decode_splits
+    def _launch(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, output: torch.Tensor,
+                starts: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                sliding_window: int, softcap: float, splits: int, max_query_len: int,
+                new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, ordered: bool) -> None:
+        """One launch over these rows: the decode kernel with `splits` (`new_kv`: their new K/V, written by it; an
+        unsplit launch takes the longest-first order where `ordered`), or with `splits` 0 the unified kernel (its
+        tile picked by `max_query_len`; `new_kv` written first)."""
         if splits >= 1:
             self._split.split_kv_decode(
-                query[:d], k_cache, v_cache, output[:d], meta.query_start_loc[: d + 1], meta.seq_lens[:d],
-                meta.block_tables[:d], scale, sliding_window, softcap, splits, self._part_out, self._part_lse,
-                self.decode_config, self.use_pdl, self._merge_counters if self.fused_split_reductions else None,
-                new_kv, self._seq_order if splits == 1 and self.longest_first else None,
+                query, k_cache, v_cache, output, starts, seq_lens, block_tables, scale, sliding_window, softcap,
+                splits, self._part_out, self._part_lse, self.decode_config, self.use_pdl,
+                self._merge_counters if self.fused_split_reductions else None, new_kv,
+                self._seq_order if splits == 1 and self.longest_first and ordered else None,
             )
-        else:  # no decode kernel for this batch (decode_attention_kernel off): the unified kernel's decode tile
-            if new_kv is not None:
-                self._kv_write.write_kv(*new_kv[:2], k_cache, v_cache, new_kv[2], self.use_pdl)
-            self._unified.unified_attention(
-                query[:d], k_cache, v_cache, output[:d], meta.query_start_loc[: d + 1], meta.seq_lens[:d],
-                meta.block_tables[:d], scale, sliding_window, softcap, 1, self.unified_config, self.use_pdl,
-            )
+            return
+        if new_kv is not None:
+            self._kv_write.write_kv(*new_kv[:2], k_cache, v_cache, new_kv[2], self.use_pdl)
         self._unified.unified_attention(
-            query[d:], k_cache, v_cache, output[d:], self._mixed_rest_starts, meta.seq_lens[d:],
-            meta.block_tables[d:], scale, sliding_window, softcap, meta.max_query_len, self.unified_config,
-            self.use_pdl,
+            query, k_cache, v_cache, output, starts, seq_lens, block_tables, scale, sliding_window, softcap,
+            max_query_len, self.unified_config, self.use_pdl,
         )

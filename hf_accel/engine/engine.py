@@ -176,10 +176,12 @@ class LLMEngine:
         # a split plan follows the step's query lengths: never for steps captured whole (mode "full" captures mixed
         # steps; piecewise graphs are cut at attention, so their attention may split)
         self.backend.split_mixed = cfg.split_mixed_attention and cfg.cudagraph_mode != CUDAGraphMode.FULL
-        if cfg.split_mixed_attention and not (self.backend.splits_mixed_steps and self.backend.split_mixed):
-            logger.info("hf_accel: split_mixed_attention=True has no effect here (%s)",
-                        f"the {backend_cls.name} backend has no split path" if not self.backend.splits_mixed_steps
-                        else 'cudagraph_mode="full" captures mixed steps whole')
+        if cfg.split_mixed_attention and not self.backend.splits_mixed_steps:
+            logger.info("hf_accel: split_mixed_attention=True has no effect here (the %s backend has no split path)",
+                        backend_cls.name)
+        elif cfg.split_mixed_attention and not self.backend.split_mixed:
+            logger.info('hf_accel: split_mixed_attention=True has no effect here (cudagraph_mode="full" captures '
+                        "mixed steps whole)")
         mixed_sizes = cfg.piecewise_capture_sizes
         if (cfg._piecewise_sizes_derived and mixed_sizes and cfg.compile
                 and cfg.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE):  # resolved: an enum member
