@@ -9,7 +9,7 @@ bottleneck). With `--kernels`, a torch.profiler pass over one more call adds the
 the same way by the step each kernel ran in, so attention, GEMMs and the rest can be weighed against the roofline.
 
     python examples/w3_timeline.py --shape qwen3-0.6b [--calls 2] [--kernels] [--piecewise-capture-sizes 1,2,...]
-        [--gated-gemm]
+        [--gated-gemm] [--no-split-mixed-attention]
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--scale", default="full", choices=tuple(SCALES))
     ap.add_argument("--piecewise-capture-sizes", default=None, help="comma-separated token counts")
     ap.add_argument("--gated-gemm", action="store_true", help="AccelConfig(gated_gemm=True)")
-    ap.add_argument("--split-mixed-attention", action="store_true", help="AccelConfig(split_mixed_attention=True)")
+    ap.add_argument("--split-mixed-attention", action=argparse.BooleanOptionalAction, default=None,
+                    help="AccelConfig.split_mixed_attention (default: on where it applies)")
     ap.add_argument("--kernels", action="store_true", help="one more call under torch.profiler: GPU time per kernel")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--device", default="cuda")
@@ -49,8 +50,8 @@ def main() -> None:
     model = build_model(a.shape, None, torch.bfloat16 if dev.type == "cuda" else torch.float32, dev, "none")
     disable_eos(model)
     fields = {"gated_gemm": True} if a.gated_gemm else {}
-    if a.split_mixed_attention:
-        fields["split_mixed_attention"] = True
+    if a.split_mixed_attention is not None:
+        fields["split_mixed_attention"] = a.split_mixed_attention
     if a.piecewise_capture_sizes:
         fields["piecewise_capture_sizes"] = _ints(a.piecewise_capture_sizes)
     kw = {"config": AccelConfig(**fields)} if fields else {}
@@ -121,8 +122,9 @@ def main() -> None:
                   f"{sum(waits):.1f} ms, steps waiting < 50 us: {sum(w < 0.05 for w in waits)}")
         prefill = [r for r in steps if r["kind"] == "prefill"]
         if prefill:
-            print("   prefill steps (tokens, seqs, wall ms):",
-                  [(r["tokens"], r["seqs"], round(r["wall"] * 1e3, 1)) for r in prefill[:24]])
+            print("   prefill steps (tokens, seqs, wall ms, read_back wait ms):",
+                  [(r["tokens"], r["seqs"], round(r["wall"] * 1e3, 1), round(r["wait"] * 1e3, 1))
+                   for r in prefill[:24]])
 
     if a.kernels and dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile

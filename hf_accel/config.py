@@ -146,10 +146,10 @@ class AccelConfig:
     # a mixed step's attention (prefill chunks beside decodes, attention outside any full CUDA graph) in two launches:
     # its leading decode rows, where the scheduler puts running decodes, through the decode kernel and the rest
     # through the unified kernel, whose prefill tile gives each decode row a 64-token program. Triton backend only;
-    # at least 16 leading decode rows; off when cudagraph_mode="full" captures mixed steps whole. Off by default
-    # until measured on a GPU (W3's mixed steps took 8-29 ms each on the H200, the decode rows in them about 2.5x
-    # what the same rows take in a decode step; examples/results, session 23's timeline). True: on (the A/B)
-    split_mixed_attention: bool = False
+    # at least 16 leading decode rows; never when cudagraph_mode="full" captures mixed steps whole. None (default):
+    # on where it applies; True: the same, and an info log where it has no effect; False: one launch, as before (the
+    # A/B). On an H100 (session 28, examples/results) it took W3's 18 prefill-chunk steps from 530 to 498 ms
+    split_mixed_attention: bool | None = None
     # every full decode CUDA graph ends with the greedy argmax of its logits (one Triton launch, ops/greedy.py); the
     # sampler takes those tokens when every request of the step is plain greedy, and computes its own otherwise.
     # False: the sampler's torch.argmax after the graph, as before this option (the A/B)

@@ -1275,23 +1275,26 @@ def test_upload_never_rewrites_a_host_mirror_a_pending_copy_reads(device):
 
 
 def test_split_mixed_attention_reaches_the_backend(caplog):
-    """AccelConfig(split_mixed_attention=True) sets the backend's switch (off by default), and says so where it has
-    no effect (here the torch backend, which has no split path); on the GPU, tests/test_gpu_ab.py checks that
-    cudagraph_mode="full" (mixed steps captured whole) leaves it off."""
+    """AccelConfig.split_mixed_attention: on by default where the backend has a split path, and an explicit True
+    says so where it has no effect (here the torch backend, which has none); False turns it off. On the GPU,
+    tests/test_gpu_ab.py checks the triton backend's switch and that cudagraph_mode="full" (mixed steps captured
+    whole) leaves it off."""
     import logging
 
     from hf_accel import accelerate_model, restore
     from hf_accel.api import engine_of
+    from hf_accel.attention.triton_backend import TritonAttentionBackend
     from hf_accel.config import AccelConfig
 
+    assert AccelConfig().split_mixed_attention is None and TritonAttentionBackend.splits_mixed_steps
     model = make_model("qwen3", num_layers=2)
-    for split in (False, True):
+    for split in (None, False, True):
         with caplog.at_level(logging.INFO, logger="hf_accel"):
             accelerate_model(model, num_kv_blocks=64, config=AccelConfig(split_mixed_attention=split,
                                                                          compile_cache_dir=""))
         backend = engine_of(model).backend
-        assert backend.split_mixed is split and backend.splits_mixed_steps is False  # torch on the CPU
+        assert backend.split_mixed is False and backend.splits_mixed_steps is False  # torch on the CPU
         noted = "split_mixed_attention=True has no effect here (the torch backend" in caplog.text
-        assert noted is split
+        assert noted is (split is True)
         caplog.clear()
         restore(model)

@@ -167,11 +167,12 @@ def test_backend_mode_matches_stock(shape, backend, mode):
 
 
 @requires_cuda
-@pytest.mark.parametrize("mode", ["full_and_piecewise", "none", "full"])
-def test_split_mixed_attention_matches_stock(mode):
-    """AccelConfig(split_mixed_attention=True): mixed steps with at least 16 leading decode rows run those through
-    the decode kernel and the rest through the unified kernel (not under mode "full", which captures mixed steps
-    whole); greedy output stays stock's."""
+@pytest.mark.parametrize(("mode", "split"), [("full_and_piecewise", None), ("none", True), ("full", True),
+                                           ("full_and_piecewise", False)])
+def test_split_mixed_attention_matches_stock(mode, split):
+    """AccelConfig.split_mixed_attention (default None: on where it applies): mixed steps with at least 16 leading
+    decode rows run those through the decode kernel and the rest through the unified kernel (not under mode "full",
+    which captures mixed steps whole, nor with False); greedy output stays stock's."""
     from hf_accel.api import engine_of
 
     model = gpu_model("qwen3-0.6b")
@@ -180,11 +181,12 @@ def test_split_mixed_attention_matches_stock(mode):
     ref, ref_scores = reference(model, ids, mask, new)
     kwargs = {"enforce_eager": True} if mode == "none" else {"cudagraph_mode": mode}
     accelerate_model(model, attention_backend="triton", max_num_batched_tokens=256,
-                     config=AccelConfig(split_mixed_attention=True), **kwargs)
+                     config=AccelConfig(split_mixed_attention=split), **kwargs)
     planned: list[int] = []
+    splits = mode != "full" and split is not False
     try:
         backend = engine_of(model).backend
-        assert backend.split_mixed is (mode != "full")
+        assert backend.split_mixed is splits
         plan = backend._plan_mixed_split
 
         def recording(meta):
@@ -194,10 +196,10 @@ def test_split_mixed_attention_matches_stock(mode):
         got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
     finally:
         restore(model)
-    if mode == "full":
-        assert not any(planned)
-    else:
+    if splits:
         assert max(planned) >= 16, planned
+    else:
+        assert not any(planned)
     assert_greedy_matches(ref, got, ref_scores, ids.shape[1])
 
 

@@ -211,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--no-decode-longest-first launches them in batch order")
     a.add_argument("--split-mixed-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="a mixed step's leading decode rows run the decode kernel, the rest the unified kernel "
-                        "(default: off; triton backend)")
+                        "(default: on; triton backend); --no-split-mixed-attention: one launch")
     a.add_argument("--graph-greedy-argmax", action=argparse.BooleanOptionalAction, default=None,
                    help="full decode graphs end with the greedy argmax (default: on); --no-graph-greedy-argmax "
                         "leaves it to the sampler after the graph")

@@ -175,7 +175,8 @@ class LLMEngine:
         self.backend.longest_first = cfg.decode_longest_first
         # a split plan follows the step's query lengths: never for steps captured whole (mode "full" captures mixed
         # steps; piecewise graphs are cut at attention, so their attention may split)
-        self.backend.split_mixed = cfg.split_mixed_attention and cfg.cudagraph_mode != CUDAGraphMode.FULL
+        self.backend.split_mixed = (cfg.split_mixed_attention is not False and self.backend.splits_mixed_steps
+                                    and cfg.cudagraph_mode != CUDAGraphMode.FULL)
         if cfg.split_mixed_attention and not self.backend.splits_mixed_steps:
             logger.info("hf_accel: split_mixed_attention=True has no effect here (the %s backend has no split path)",
                         backend_cls.name)
