@@ -1298,3 +1298,29 @@ def test_split_mixed_attention_reaches_the_backend(caplog):
         assert noted is (split is True)
         caplog.clear()
         restore(model)
+
+
+def test_split_mixed_attention_default_turns_on_where_the_backend_can_split(monkeypatch, caplog):
+    """The engine's decision for a backend with a split path (the torch backend posing as one, since the triton
+    backend needs a GPU): None and True turn it on, False off. cudagraph_mode="full" runs without graphs on the CPU
+    (nothing is captured whole), so the split stays on there and nothing is logged; on the GPU,
+    tests/test_gpu_ab.py checks that "full" turns it off."""
+    import logging
+
+    from hf_accel import accelerate_model, restore
+    from hf_accel.api import engine_of
+    from hf_accel.attention.torch_backend import TorchAttentionBackend
+    from hf_accel.config import AccelConfig
+
+    monkeypatch.setattr(TorchAttentionBackend, "splits_mixed_steps", True)
+    model = make_model("qwen3", num_layers=2)
+    for split, mode, expected in ((None, None, True), (True, None, True), (False, None, False),
+                                  (None, "full", True), (True, "full", True)):
+        kwargs = {"cudagraph_mode": mode} if mode else {}
+        with caplog.at_level(logging.INFO, logger="hf_accel"):
+            accelerate_model(model, num_kv_blocks=64, config=AccelConfig(split_mixed_attention=split,
+                                                                         compile_cache_dir=""), **kwargs)
+        assert engine_of(model).backend.split_mixed is expected, (split, mode)
+        assert "split_mixed_attention=True has no effect" not in caplog.text, (split, mode)
+        caplog.clear()
+        restore(model)
