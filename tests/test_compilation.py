@@ -1274,53 +1274,34 @@ def test_upload_never_rewrites_a_host_mirror_a_pending_copy_reads(device):
         assert runner.inputs_ready is None  # CPU copies are synchronous: nothing to wait for
 
 
-def test_split_mixed_attention_reaches_the_backend(caplog):
-    """AccelConfig.split_mixed_attention: on by default where the backend has a split path, and an explicit True
-    says so where it has no effect (here the torch backend, which has none); False turns it off. On the GPU,
-    tests/test_gpu_ab.py checks the triton backend's switch and that cudagraph_mode="full" (mixed steps captured
-    whole) leaves it off."""
-    import logging
-
-    from hf_accel import accelerate_model, restore
-    from hf_accel.api import engine_of
-    from hf_accel.attention.triton_backend import TritonAttentionBackend
-    from hf_accel.config import AccelConfig
-
-    assert AccelConfig().split_mixed_attention is None and TritonAttentionBackend.splits_mixed_steps
-    model = make_model("qwen3", num_layers=2)
-    for split in (None, False, True):
-        with caplog.at_level(logging.INFO, logger="hf_accel"):
-            accelerate_model(model, num_kv_blocks=64, config=AccelConfig(split_mixed_attention=split,
-                                                                         compile_cache_dir=""))
-        backend = engine_of(model).backend
-        assert backend.split_mixed is False and backend.splits_mixed_steps is False  # torch on the CPU
-        noted = "split_mixed_attention=True has no effect here (the torch backend" in caplog.text
-        assert noted is (split is True)
-        caplog.clear()
-        restore(model)
-
-
-def test_split_mixed_attention_default_turns_on_where_the_backend_can_split(monkeypatch, caplog):
-    """The engine's decision for a backend with a split path (the torch backend posing as one, since the triton
-    backend needs a GPU): None and True turn it on, False off. cudagraph_mode="full" runs without graphs on the CPU
-    (nothing is captured whole), so the split stays on there and nothing is logged; on the GPU,
-    tests/test_gpu_ab.py checks that "full" turns it off."""
+@pytest.mark.parametrize("can_split", [False, True])
+def test_split_mixed_attention_reaches_the_backend(monkeypatch, caplog, can_split):
+    """AccelConfig.split_mixed_attention: None (the default) and True turn it on where the backend has a split path,
+    False off; an explicit True says so where it has no effect. On the CPU the torch backend stands in for both
+    kinds of backend (it has no split path; posing as one, since the triton backend needs a GPU), and
+    cudagraph_mode="full" runs without graphs (nothing is captured whole), so the split stays on there and nothing
+    is logged; on the GPU, tests/test_gpu_ab.py checks the triton backend and that "full" turns it off."""
     import logging
 
     from hf_accel import accelerate_model, restore
     from hf_accel.api import engine_of
     from hf_accel.attention.torch_backend import TorchAttentionBackend
+    from hf_accel.attention.triton_backend import TritonAttentionBackend
     from hf_accel.config import AccelConfig
 
-    monkeypatch.setattr(TorchAttentionBackend, "splits_mixed_steps", True)
+    assert AccelConfig().split_mixed_attention is None and TritonAttentionBackend.splits_mixed_steps
+    if can_split:
+        monkeypatch.setattr(TorchAttentionBackend, "splits_mixed_steps", True)
     model = make_model("qwen3", num_layers=2)
-    for split, mode, expected in ((None, None, True), (True, None, True), (False, None, False),
-                                  (None, "full", True), (True, "full", True)):
+    for split, mode in ((None, None), (True, None), (False, None), (None, "full"), (True, "full")):
         kwargs = {"cudagraph_mode": mode} if mode else {}
         with caplog.at_level(logging.INFO, logger="hf_accel"):
             accelerate_model(model, num_kv_blocks=64, config=AccelConfig(split_mixed_attention=split,
                                                                          compile_cache_dir=""), **kwargs)
-        assert engine_of(model).backend.split_mixed is expected, (split, mode)
-        assert "split_mixed_attention=True has no effect" not in caplog.text, (split, mode)
+        assert engine_of(model).backend.split_mixed is (can_split and split is not False), (split, mode)
+        noted = "split_mixed_attention=True has no effect here (the torch backend" in caplog.text
+        assert noted is (split is True and not can_split), (split, mode)
+        if can_split:
+            assert "split_mixed_attention=True has no effect" not in caplog.text, (split, mode)
         caplog.clear()
         restore(model)
