@@ -49,7 +49,7 @@ def test_kernel_matches_linear(dtype, m, n, k, block_m, block_n, block_k, split,
     assert (y.float() - ref).abs().max().item() <= _tol(dtype, ref)
 
 
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("kind", ["plain", "gated", "int8"])
 @pytest.mark.parametrize(("m", "n", "k", "block_m", "block_n", "block_k", "split", "fused"), [
     (3, 40, 96, 16, 16, 32, 1, False),     # three K tiles: the first before the wait, two in the loop
     (16, 64, 64, 16, 32, 64, 1, False),    # one K tile: only the preloaded one, no loop iteration
@@ -57,23 +57,28 @@ def test_kernel_matches_linear(dtype, m, n, k, block_m, block_n, block_k, split,
     (64, 50, 300, 64, 16, 64, 3, False),   # a split count that does not divide K, the reduce kernel
     (5, 48, 40, 16, 16, 64, 1, False),     # K shorter than one tile: the preloaded tile is masked along K
 ])
-def test_preloaded_first_tile_gives_the_same_bits(monkeypatch, gated, m, n, k, block_m, block_n, block_k, split,
+def test_preloaded_first_tile_gives_the_same_bits(monkeypatch, kind, m, n, k, block_m, block_n, block_k, split,
                                                   fused):
     """`HF_ACCEL_GEMM_PRELOAD=on` (W's first K tile loaded before the PDL wait, the first K step peeled off the
-    loop) sums the same products in the same order: bit-equal to the loop form, plain and gated, for masked and
-    uneven K tails, with the fused and the separate split reduction."""
+    loop) sums the same products in the same order: bit-equal to the loop form, plain, gated and with int8 weights,
+    for masked and uneven K tails, with the fused and the separate split reduction."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
+    gated, int8 = kind == "gated", kind == "int8"
     x = torch.randn(m, k, generator=g).to(DEVICE, torch.float16)
-    w = torch.randn(2 * n if gated else n, k, generator=g).to(DEVICE, torch.float16)
+    scale = (torch.rand(n, generator=g) * 0.02 + 0.001).to(DEVICE, torch.float16) if int8 else None
+    if int8:
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
+    else:
+        w = torch.randn(2 * n if gated else n, k, generator=g).to(DEVICE, torch.float16)
     cfg = G.SkinnyConfig(block_m, block_n, block_k, split, 4, 2)
     outs = {}
     for preload in (False, True):
         monkeypatch.setattr(G, "PRELOAD", preload)
         counters = torch.zeros(triton.cdiv(n, block_n), dtype=torch.int32, device=DEVICE) if fused else None
-        outs[preload] = G.skinny_linear(x, w, None, cfg, counters=counters, gated=gated)
+        outs[preload] = G.skinny_linear(x, w, None, cfg, scale=scale, counters=counters, gated=gated)
         assert counters is None or not counters.any()
     assert torch.equal(outs[True], outs[False])
-    both = F.linear(x.float(), w.float())
+    both = F.linear(x.float(), w.float() * scale.float()[:, None] if int8 else w.float())
     ref = F.silu(both[:, :n]) * both[:, n:] if gated else both
     assert (outs[True].float() - ref).abs().max().item() <= _tol(torch.float16, ref)
 
