@@ -49,40 +49,6 @@ def test_kernel_matches_linear(dtype, m, n, k, block_m, block_n, block_k, split,
     assert (y.float() - ref).abs().max().item() <= _tol(dtype, ref)
 
 
-@pytest.mark.parametrize("kind", ["plain", "gated", "int8"])
-@pytest.mark.parametrize(("m", "n", "k", "block_m", "block_n", "block_k", "split", "fused"), [
-    (3, 40, 96, 16, 16, 32, 1, False),     # three K tiles: the first before the wait, two in the loop
-    (16, 64, 64, 16, 32, 64, 1, False),    # one K tile: only the preloaded one, no loop iteration
-    (20, 70, 200, 32, 32, 64, 2, True),    # uneven K split (a masked tail in the last split), fused reduction
-    (64, 50, 300, 64, 16, 64, 3, False),   # a split count that does not divide K, the reduce kernel
-    (5, 48, 40, 16, 16, 64, 1, False),     # K shorter than one tile: the preloaded tile is masked along K
-])
-def test_preloaded_first_tile_gives_the_same_bits(monkeypatch, kind, m, n, k, block_m, block_n, block_k, split,
-                                                  fused):
-    """`HF_ACCEL_GEMM_PRELOAD=on` (W's first K tile loaded before the PDL wait, the first K step peeled off the
-    loop) sums the same products in the same order: bit-equal to the loop form, plain, gated and with int8 weights,
-    for masked and uneven K tails, with the fused and the separate split reduction."""
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    gated, int8 = kind == "gated", kind == "int8"
-    x = torch.randn(m, k, generator=g).to(DEVICE, torch.float16)
-    scale = (torch.rand(n, generator=g) * 0.02 + 0.001).to(DEVICE, torch.float16) if int8 else None
-    if int8:
-        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
-    else:
-        w = torch.randn(2 * n if gated else n, k, generator=g).to(DEVICE, torch.float16)
-    cfg = G.SkinnyConfig(block_m, block_n, block_k, split, 4, 2)
-    outs = {}
-    for preload in (False, True):
-        monkeypatch.setattr(G, "PRELOAD", preload)
-        counters = torch.zeros(triton.cdiv(n, block_n), dtype=torch.int32, device=DEVICE) if fused else None
-        outs[preload] = G.skinny_linear(x, w, None, cfg, scale=scale, counters=counters, gated=gated)
-        assert counters is None or not counters.any()
-    assert torch.equal(outs[True], outs[False])
-    both = F.linear(x.float(), w.float() * scale.float()[:, None] if int8 else w.float())
-    ref = F.silu(both[:, :n]) * both[:, n:] if gated else both
-    assert (outs[True].float() - ref).abs().max().item() <= _tol(torch.float16, ref)
-
-
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("n", "k", "block_n", "block_k", "split", "bias"), [
@@ -457,16 +423,15 @@ def test_int8_weight_op_on_decode_shapes(use_pdl):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize(("gemv", "preload"), [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency(monkeypatch, fused, gemv, preload):
+def test_pdl_chain_in_a_cuda_graph_keeps_every_dependency(fused, gemv):
     """Forty dependent GEMMs (each reads the previous output, split-K ones included, back to back on one set of
     ticket counters when `fused`) replayed from a graph: the same bits with PDL as without, and as run eagerly with
     the reduce kernel; the counters are zeros after every replay. `gemv`: one row through the one-row kernel, which
-    loads weights before its PDL wait; `preload`: the tensor-core kernel does too (`HF_ACCEL_GEMM_PRELOAD=on`)."""
+    loads weights before its PDL wait."""
     if not pdl.supported(DEVICE):
         pytest.skip("PDL needs sm90+ and a triton that exposes it")
-    monkeypatch.setattr(G, "PRELOAD", preload)
     torch.manual_seed(0)
     h = 1024
     ws = [torch.randn(h, h, device=DEVICE, dtype=torch.bfloat16) / 32 for _ in range(40)]

@@ -37,22 +37,10 @@ if _GEMM_TRIGGER not in ("early", "late"):
                                         "'early'", _GEMM_TRIGGER)
 GEMM_EARLY_TRIGGER = _GEMM_TRIGGER != "late"
 
-# whether the small-M tensor-core GEMM (ops/skinny_gemm.py, 16-64 rows) loads its first tile of W before its PDL
-# wait, as the one-row kernel always has: no kernel of a step writes a weight, so that load may overlap the
-# predecessor's tail, and after the wait only the activations' first tile (just written, in L2) stands between the
-# wait and the first product. Read once per process and part of the tuner's stored key. `off`: the wait first, as
-# before (the A/B switch)
-_GEMM_PRELOAD = os.environ.get("HF_ACCEL_GEMM_PRELOAD", "off").strip().lower()
-if _GEMM_PRELOAD not in ("on", "off"):
-    logging.getLogger(__name__).warning("hf_accel: HF_ACCEL_GEMM_PRELOAD=%r is neither 'on' nor 'off'; using "
-                                        "'off'", _GEMM_PRELOAD)
-GEMM_PRELOAD = _GEMM_PRELOAD == "on"
-
 
 def gemm_pdl_form() -> str:
-    """The GEMM PDL form as a short tag (the tuner's stored key): the trigger, and whether W's first tile is
-    loaded before the wait."""
-    return ("early" if GEMM_EARLY_TRIGGER else "late") + ("-preload" if GEMM_PRELOAD else "")
+    """The GEMM PDL trigger as a short tag (the tuner's stored key)."""
+    return "early" if GEMM_EARLY_TRIGGER else "late"
 
 
 @functools.cache

@@ -24,8 +24,7 @@ for the M = 1 bucket (`ops/linear.py`, `HF_ACCEL_ONE_ROW_GEMM=0` leaves it out).
 Launched with PDL where supported (see `hf_accel.ops.pdl`): it waits for its predecessor before reading `x` and
 before any store, and lets its successor launch right after that wait (`HF_ACCEL_GEMM_TRIGGER=late`: after its
 K loop), so the successor's launch and its pre-wait weight loads overlap this kernel's whole loop. The one-row kernel
-loads its first tile of W before the wait: no kernel of a step writes a weight. The tensor-core kernel does the same
-with `HF_ACCEL_GEMM_PRELOAD=on` (its first K step peeled off the loop).
+loads its first tile of W before the wait: no kernel of a step writes a weight.
 
 The one-row kernel can also apply a Llama-style RMSNorm (and the residual add before it) to its input itself
 (`norm_linear_fused`, for `ops.norm_linear`): each program sums the squares of the whole row, then normalizes each
@@ -43,7 +42,6 @@ import triton
 import triton.language as tl
 
 from hf_accel.ops.pdl import GEMM_EARLY_TRIGGER as EARLY_TRIGGER
-from hf_accel.ops.pdl import GEMM_PRELOAD as PRELOAD
 from hf_accel.ops.pdl import launch_kwargs
 from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
@@ -69,11 +67,10 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
-    FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr,
+    FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr, GATED: tl.constexpr,
 ):
     """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count.
     EARLY_TRIGGER: let the successor launch right after the wait instead of after the K loop.
-    PRELOAD: load W's first K tile before the PDL wait (the first K step peeled off the loop).
     GATED: W has 2N rows, gate then up; the output is `silu(x @ W[:N]^T) * (x @ W[N:]^T)` (`_store_output`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -88,30 +85,18 @@ def _skinny_gemm_kernel(
     u_ptrs = w_ptrs + N.to(tl.int64) * stride_wn  # GATED: the up rows, N below the gate rows (int64 offset)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_end = tl.minimum(K, k0 + K_PER_SPLIT)
-    k_start = 0
-    if PRELOAD:  # W's first tile before the wait (no kernel of a step writes a weight), used after it
-        w_mask = _tile_mask(n_ok, k0 + offs_k, k_end, EVEN_K)
-        w = tl.load(w_ptrs, mask=w_mask, other=0)
-        wu = w
-        if GATED:
-            wu = tl.load(u_ptrs, mask=w_mask, other=0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
-    if PRELOAD:
-        x = tl.load(x_ptrs, mask=_tile_mask(m_ok, k0 + offs_k, k_end, EVEN_K), other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        if GATED:
-            acc_u = tl.dot(x, tl.trans(wu.to(x.dtype)), acc_u)
-            u_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        k_start = BLOCK_K
-    for k in range(k_start, K_PER_SPLIT, BLOCK_K):
-        w_mask = _tile_mask(n_ok, k0 + k + offs_k, k_end, EVEN_K)
-        x = tl.load(x_ptrs, mask=_tile_mask(m_ok, k0 + k + offs_k, k_end, EVEN_K), other=0.0)
+    for k in range(0, K_PER_SPLIT, BLOCK_K):
+        if EVEN_K:
+            w_mask = n_ok[:, None]
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + k + offs_k) < tl.minimum(K, k0 + K_PER_SPLIT)
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=w_mask, other=0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # int8 weights widen in registers; a no-op for bf16 / fp16
         if GATED:
@@ -128,17 +113,6 @@ def _skinny_gemm_kernel(
     part0_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * part_row + offs_n[None, :]
     _finish(acc, acc_u, y_ptrs, part0_ptrs, M * part_row, N, pid_k, counters_ptr + pid_n, b_ptr, s_ptr, offs_n,
             n_ok, mask, IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS, GATED)
-
-
-@triton.jit
-def _tile_mask(row_ok, cols, k_end, EVEN_K: tl.constexpr):
-    """The load mask of a `[rows, BLOCK_K]` tile at columns `cols`: the rows in range, and, unless every split is
-    whole tiles of K (`EVEN_K`, no mask along K, so loads stay 16-byte vectors), the columns below `k_end`."""
-    if EVEN_K:
-        mask = row_ok[:, None]
-    else:
-        mask = row_ok[:, None] & (cols < k_end)[None, :]
-    return mask
 
 
 @triton.jit
@@ -473,7 +447,7 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
         assert norm is None, "only the one-row kernel normalizes its input"
         gemm = launcher(_skinny_gemm_kernel, grid, warmup, writes=(y,))
         built = [gemm(*pointers, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym, BLOCK_M=config.block_m,
-                      PRELOAD=PRELOAD, **common)]
+                      **common)]
     if split > 1 and not fused:
         block = min(1024, triton.next_power_of_2(n))
         grid = (triton.cdiv(n, block), m)
