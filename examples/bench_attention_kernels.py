@@ -393,6 +393,19 @@ def decode_study(args: argparse.Namespace, gen: torch.Generator) -> int:
     return 0
 
 
+def decode_metadata(lengths: list[int], tables: torch.Tensor, device: torch.device) -> StepMetadata:
+    """A decode step (one query token each) of sequences with these KV lengths and block tables (no KV written)."""
+    batch = len(lengths)
+    return StepMetadata(
+        num_tokens=batch, num_seqs=batch, max_query_len=1, max_seq_len=max(lengths), block_size=BLOCK_SIZE,
+        query_start_loc=torch.arange(0, batch + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        context_lens=torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device=device),
+        block_tables=tables.to(device), slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
+        query_lens_cpu=[1] * batch, seq_lens_cpu=list(lengths),
+    )
+
+
 def varied_case(lengths: list[int], num_blocks: int, max_blocks: int, gen: torch.Generator) -> Case:
     """A decode batch whose sequences have these KV lengths (pages drawn at random from the pool)."""
     dev = torch.device(DEVICE)
@@ -404,14 +417,7 @@ def varied_case(lengths: list[int], num_blocks: int, max_blocks: int, gen: torch
     for i, n in enumerate(need):
         tables[i, :n] = torch.tensor(perm[at: at + n], dtype=torch.int32)
         at += n
-    meta = StepMetadata(
-        num_tokens=batch, num_seqs=batch, max_query_len=1, max_seq_len=max(lengths), block_size=BLOCK_SIZE,
-        query_start_loc=torch.arange(0, batch + 1, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=dev),
-        context_lens=torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device=dev),
-        block_tables=tables.to(dev), slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=dev),
-        query_lens_cpu=[1] * batch, seq_lens_cpu=list(lengths),
-    )
+    meta = decode_metadata(lengths, tables, dev)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
     kv_bytes = sum(lengths) * NUM_KV_HEADS * HEAD_DIM * 2 * query.element_size()
     return Case("decode", batch, sum(lengths) // batch, query, meta,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from bench_attention_kernels import BLOCK_SIZE, decode_metadata  # examples/, beside this script
 
 from hf_accel.attention.backend import AttentionSpec
 from hf_accel.attention.metadata import StepMetadata
@@ -42,7 +43,6 @@ SCALES = {
     "full": dict(hidden=1024, heads=16, kv_heads=8, head_dim=128, inter=3072, vocab=151936, batch=256),
     "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, vocab=256, batch=8),
 }
-BLOCK_SIZE = 16
 EPS = 1e-6
 
 
@@ -93,14 +93,7 @@ def make_batch(lengths: list[int], first_block: int, max_blocks: int, dims: dict
         need = -(-n // BLOCK_SIZE)
         tables[i, :need] = torch.arange(at, at + need, dtype=torch.int32)
         at += need
-    meta = StepMetadata(
-        num_tokens=batch, num_seqs=batch, max_query_len=1, max_seq_len=max(lengths), block_size=BLOCK_SIZE,
-        query_start_loc=torch.arange(0, batch + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        context_lens=torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device=device),
-        block_tables=tables.to(device), slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
-        query_lens_cpu=[1] * batch, seq_lens_cpu=list(lengths),
-    )
+    meta = decode_metadata(lengths, tables, device)
     spec = AttentionSpec(dims["heads"], dims["kv_heads"], dims["head_dim"], dtype)
     backend = TritonAttentionBackend(spec, device, BLOCK_SIZE, batch, batch, max_blocks)
     backend.use_pdl = use_pdl
