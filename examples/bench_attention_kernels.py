@@ -71,6 +71,35 @@ def make_case(kind: str, batch: int, ctx: int, num_blocks: int, gen: torch.Gener
     return Case(kind, batch, ctx, query, meta, kv_bytes + io_bytes, 4 * pairs * NUM_HEADS * HEAD_DIM)
 
 
+def capture_graph(fn: Callable[[], object], reps: int) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of `reps` calls of `fn` (after a warm-up call on a side stream) and what the last call
+    returned: the tensors a replay writes."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            out = fn()
+    return graph, out
+
+
+def median_seconds(run: Callable[[], object], samples: int) -> float:
+    """Median seconds of `run()` over `samples` runs, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(samples):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def time_call(fn: Callable[[], object], reps: int, samples: int) -> tuple[float, str]:
     """Median seconds per call: `reps` calls captured in one CUDA graph, replayed `samples` times.
 
@@ -78,33 +107,16 @@ def time_call(fn: Callable[[], object], reps: int, samples: int) -> tuple[float,
     """
     fn()
     torch.cuda.synchronize()
-    graph, how = None, "graph"
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
+        graph, _ = capture_graph(fn, reps)
+        return median_seconds(graph.replay, samples) / reps, "graph"
     except Exception:
-        graph, how = None, "eager"
         torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(samples):
-        start.record()
-        if graph is not None:
-            graph.replay()
-        else:
-            for _ in range(reps):
-                fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    return statistics.median(times), how
+
+    def eager() -> None:
+        for _ in range(reps):
+            fn()
+    return median_seconds(eager, samples) / reps, "eager"
 
 
 # -- implementations: each returns a zero-argument callable that writes into `out` ------------------------------

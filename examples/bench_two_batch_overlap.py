@@ -15,7 +15,7 @@ final norm, the lm_head and the argmax. It times one CUDA graph of each:
 - `full`: the 256 rows as one batch on one stream (what the engine does);
 - `halves, one stream`: two batches of 128, one after the other (the cost of twice the launches, no overlap);
 - `halves, two streams`: the same two batches forked onto two streams inside the graph and joined at the end;
-- `--no-attention`: the three again without the attention kernel, to see what the rest alone gains.
+- the three again without the attention kernel (`no attention`), to see what the rest alone gains.
 
 It also checks that the two-stream graph gives the bits of the one-stream halves (no race between the streams).
 Medians of `--samples` replays. On a CPU (`TRITON_INTERPRET=1`, `--scale tiny`) it only runs the check, eagerly.
@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from bench_attention_kernels import BLOCK_SIZE, decode_metadata  # examples/, beside this script
+from bench_attention_kernels import BLOCK_SIZE, capture_graph, decode_metadata, median_seconds  # examples/
 
 from hf_accel.attention.backend import AttentionSpec
 from hf_accel.attention.metadata import StepMetadata
@@ -83,7 +82,8 @@ def make_layers(n: int, dims: dict, num_blocks: int, device: torch.device, dtype
 
 def make_batch(lengths: list[int], first_block: int, max_blocks: int, dims: dict, device: torch.device,
                dtype: torch.dtype, use_pdl: bool) -> Batch:
-    """Sequences of these KV lengths, pages `first_block`, `first_block + 1`, ... (each batch its own pages)."""
+    """Sequences of these KV lengths on consecutive pages from `first_block` (the halves are given the pages of
+    their rows in the full batch, so every variant reads the same KV bytes)."""
     from hf_accel.attention.triton_backend import TritonAttentionBackend
 
     batch = len(lengths)
@@ -115,46 +115,16 @@ def decode_step(b: Batch, layers: list[Layer], final_norm: torch.Tensor, lm_head
         h, residual = add_rms_norm(x, residual, layer.norm1, EPS, use_pdl)
         qkv = F.linear(h, layer.qkv)
         q = qkv[:, : heads * d].reshape(-1, heads, d).contiguous()  # stands in for the q/k norm + RoPE kernel
-        out = torch.empty_like(q)
+        out = q
         if attention:
+            out = torch.empty_like(q)
             b.backend.forward(q, layer.k_cache, layer.v_cache, b.meta, out, scale, 0, 0.0)
-        else:
-            out = q
         x = F.linear(out.view(-1, heads * d), layer.o)
         h, residual = add_rms_norm(x, residual, layer.norm2, EPS, use_pdl)
         gu = F.linear(h, layer.gate_up)
         x = F.linear(silu_and_mul(gu[:, :inter], gu[:, inter:], use_pdl), layer.down)
     h, _ = add_rms_norm(x, residual, final_norm, EPS, use_pdl)
     return F.linear(h, lm_head).argmax(-1)
-
-
-def capture(fn, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
-    """A CUDA graph of `fn()` (after a warm-up on a side stream) and the output tensors it writes on replay."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
-def time_graph(graph: torch.cuda.CUDAGraph, samples: int) -> float:
-    """Median milliseconds per replay."""
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(samples):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -224,9 +194,9 @@ def main() -> int:
                     "halves, two streams": halves_two_streams(attention)}
         outs = {}
         for name, fn in variants.items():
-            graph, out = capture(fn, device)
-            ms = time_graph(graph, args.samples)
+            graph, out = capture_graph(fn, reps=1)
             graph.replay()
+            ms = median_seconds(graph.replay, args.samples) * 1e3
             torch.cuda.synchronize()
             outs[name] = torch.cat(out) if isinstance(out, tuple) else out.clone()
             label = name if attention else f"{name}, no attention"
