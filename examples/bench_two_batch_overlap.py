@@ -20,7 +20,9 @@ final norm, the lm_head and the argmax. It times one CUDA graph of each:
 It also checks that the two-stream graph gives the bits of the one-stream halves (no race between the streams).
 Medians of `--samples` replays. On a CPU (`TRITON_INTERPRET=1`, `--scale tiny`) it only runs the check, eagerly.
 
-    python examples/bench_two_batch_overlap.py [--layers 28] [--pdl] [--json out.json]
+`--workload w2` asks the same of W2's decode step (64 sequences of 129-384 tokens: attention about a third of it).
+
+    python examples/bench_two_batch_overlap.py [--workload w3|w2] [--layers 28] [--pdl] [--json out.json]
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 28, tiny: 2)")
     ap.add_argument("--samples", type=int, default=20, help="graph replays timed (median reported)")
     ap.add_argument("--pdl", action="store_true", help="launch hf_accel's kernels with PDL, as the engine does")
+    ap.add_argument("--workload", choices=("w3", "w2"), default="w3",
+                    help="w3: 256 sequences of 356-1,280 tokens (default); w2: 64 sequences of 129-384 tokens")
     ap.add_argument("--json", help="write the figures to this path")
     args = ap.parse_args()
     dims = SCALES[args.scale]
@@ -143,8 +147,10 @@ def main() -> int:
     use_pdl = bool(args.pdl and on_gpu)
     torch.manual_seed(0)
     rng = random.Random(0)
-    # W3 in the middle of its decode phase: a prompt of U[100, 1024] tokens and 256 generated
-    lengths = [rng.randint(100, 1024) + 256 for _ in range(dims["batch"])]
+    if args.workload == "w3":  # W3 in the middle of its decode phase: a prompt of U[100, 1024] tokens, 256 generated
+        lengths = [rng.randint(100, 1024) + 256 for _ in range(dims["batch"])]
+    else:  # W2 over its decode phase: 64 prompts of 128 tokens, 1-256 generated
+        lengths = [128 + rng.randint(1, 256) for _ in range(64)]
     if args.scale == "tiny":
         lengths = [rng.randint(5, 60) for _ in range(dims["batch"])]
     half = len(lengths) // 2
@@ -160,7 +166,8 @@ def main() -> int:
     a.x.copy_(full.x[:half])
     b.x.copy_(full.x[half:])
     kv_gb = sum(lengths) * dims["kv_heads"] * dims["head_dim"] * 2 * torch.finfo(dtype).bits // 8 * n_layers / 1e9
-    print(f"device: {torch.cuda.get_device_name() if on_gpu else 'cpu'}  {n_layers} layers, batch {len(lengths)} "
+    print(f"device: {torch.cuda.get_device_name() if on_gpu else 'cpu'}  {args.workload}, {n_layers} layers, "
+          f"batch {len(lengths)} "
           f"(halves {half} + {len(lengths) - half}), KV read per step {kv_gb:.2f} GB, pdl={use_pdl}")
 
     def step(batch: Batch, attention: bool) -> torch.Tensor:
@@ -211,7 +218,8 @@ def main() -> int:
                          full_vs_halves_equal=agree))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), layers=n_layers, pdl=use_pdl, rows=rows), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), workload=args.workload, layers=n_layers, pdl=use_pdl,
+                           rows=rows), f, indent=1)
     return 0
 
 
