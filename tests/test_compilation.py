@@ -242,9 +242,12 @@ def test_inductor_piecewise_matches_eager_and_fills_compile_cache(tmp_path, monk
     import torch._inductor.compile_fx as compile_fx_mod
     import torch._inductor.config as inductor_config
 
-    seen, real_compile_fx = [], compile_fx_mod.compile_fx
+    # ... and each reduction kernel gets Inductor's heuristic config, not the winner of a timing at its first launch
+    monkeypatch.delenv("HF_ACCEL_INDUCTOR_AUTOTUNE_REDUCTIONS", raising=False)
+    seen, fixed, real_compile_fx = [], [], compile_fx_mod.compile_fx
     monkeypatch.setattr(compile_fx_mod, "compile_fx", lambda *a, **k: (
-        seen.append(inductor_config.coordinate_descent_tuning), real_compile_fx(*a, **k))[1])
+        seen.append(inductor_config.coordinate_descent_tuning),
+        fixed.append(inductor_config.test_configs.force_filter_reduction_configs), real_compile_fx(*a, **k))[2])
     with inductor_config.patch(coordinate_descent_tuning=True):
         model = make_model("llama", num_layers=3)
         eager = forward_fn_of(model)
@@ -260,10 +263,25 @@ def test_inductor_piecewise_matches_eager_and_fills_compile_cache(tmp_path, monk
             check_against_eager(steps, eager, pf, atol=1e-4)
             assert pf.num_backend_calls == 1
             assert seen and not any(seen) and inductor_config.coordinate_descent_tuning
+            assert fixed and all(fixed) and not inductor_config.test_configs.force_filter_reduction_configs
             again = setup_compile_cache(str(tmp_path), model.config, torch.float32, [4, 8])
             assert again.path == info.path and again.warm
         finally:
             info.restore_env()
+
+
+def test_fixed_reduction_configs_switch(monkeypatch):
+    """The pieces' reduction kernels take one heuristic config unless HF_ACCEL_INDUCTOR_AUTOTUNE_REDUCTIONS=1
+    restores Inductor's timing of several at the first launch (the A/B switch); nothing leaks out of the context."""
+    import torch._inductor.config as inductor_config
+
+    from hf_accel.compilation.piecewise import inductor_settings
+
+    for env, expect in (("", True), ("0", True), ("1", False)):
+        monkeypatch.setenv("HF_ACCEL_INDUCTOR_AUTOTUNE_REDUCTIONS", env)
+        with inductor_settings(pdl=False):
+            assert inductor_config.test_configs.force_filter_reduction_configs is expect
+        assert inductor_config.test_configs.force_filter_reduction_configs is False
 
 
 class _SimulatedGraph:

@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -114,16 +115,41 @@ def inductor_settings(pdl: bool, eager_casts: bool = False) -> contextlib.Abstra
       are a small part of a decode step next to the GEMMs and attention;
     - with `eager_casts`, fused kernels round each intermediate to its eager dtype and divide exactly, as eager
       PyTorch does (`eager_rounding_settings`), for models that quantize activations
-      (`patches.quantization.quantizes_activations` says why); elsewhere Inductor's extra precision is kept.
+      (`patches.quantization.quantizes_activations` says why); elsewhere Inductor's extra precision is kept;
+    - each generated reduction kernel gets one launch configuration from Inductor's heuristics
+      (`fixed_reduction_settings`) instead of the fastest of several timed at its first launch.
     """
     import torch._inductor.config as inductor_config
 
     settings: dict[str, Any] = {"coordinate_descent_tuning": False, "coordinate_descent_check_all_directions": False}
+    settings.update(fixed_reduction_settings(inductor_config))
     if hasattr(inductor_config.triton, "enable_pdl"):
         settings["triton.enable_pdl"] = bool(pdl)
     if eager_casts:
         settings.update(eager_rounding_settings(inductor_config))
     return inductor_config.patch(settings)
+
+
+def fixed_reduction_settings(inductor_config: Any) -> dict[str, bool]:
+    """Inductor's switch that gives each reduction kernel one configuration by its heuristics (which it otherwise
+    times among up to four at the kernel's first launch), unless HF_ACCEL_INDUCTOR_AUTOTUNE_REDUCTIONS=1.
+
+    Why: the first launch is the compile example's step (16 tokens, `engine.runner.COMPILE_EXAMPLE_TOKENS`), where
+    the candidates of a small reduction such as Qwen3's q/k norm + RoPE time within noise of each other, and the one
+    picked then serves every step shape. Which one won differed between builds: on an H100 the q-norm + RoPE kernel
+    took 3.1 us a call at W3's 256 decode rows in one build and 11.4 us in another (the same kernel source, a
+    `gated_gemm` build), costing that build about 1 % of W3. A fixed choice also gives every build of a model the
+    same kernels, so the same bits (the candidates differ in warps, so in their reduction order).
+
+    The switch is the config filter that Inductor's `deterministic` mode applies
+    (`filter_reduction_configs_for_determinism`), without that mode's other effects; torch files it under
+    `test_configs`, so it is set only where it exists. It is part of Inductor's FX graph cache key, so a warm cache
+    never serves kernels of the other setting."""
+    if os.environ.get("HF_ACCEL_INDUCTOR_AUTOTUNE_REDUCTIONS", "").strip() == "1":
+        return {}
+    if hasattr(getattr(inductor_config, "test_configs", None), "force_filter_reduction_configs"):
+        return {"test_configs.force_filter_reduction_configs": True}
+    return {}
 
 
 def eager_rounding_settings(inductor_config: Any) -> dict[str, bool]:
