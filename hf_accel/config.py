@@ -166,7 +166,10 @@ class AccelConfig:
     # one SiLU-and-mul kernel of ours, rounding as the stock MLP does. Off by default: on the H200 (same leases) it
     # gave qwen3-0.6b W1 1,143 against 1,093 tok/s and W2 35,974 against 35,047, but W3 (decode at 256 rows, above
     # the gated kernel's 64, so the op's SiLU-and-mul kernel runs where Inductor's fused one did) 29,296 against
-    # 30,613. True: on (the A/B; worth it for batch-1 / small-batch serving)
+    # 30,613. That W3 loss was Inductor's q-norm + RoPE kernel keeping a slow configuration from its first-launch
+    # timing, not the gated op (compilation/piecewise.fixed_reduction_settings); with fixed configurations, on an H100,
+    # gated W1 / W2 / W3 1,035 / 31,817 / 25,246 against the previous default's 987 / 31,730 / 24,917. Off until the
+    # llama shapes are measured with it on the H200. True: on (the A/B; worth it for batch-1 / small-batch serving)
     gated_gemm: bool = False
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
