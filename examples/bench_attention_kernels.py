@@ -73,18 +73,17 @@ def make_case(kind: str, batch: int, ctx: int, num_blocks: int, gen: torch.Gener
 
 def capture_graph(fn: Callable[[], object], reps: int) -> tuple[torch.cuda.CUDAGraph, object]:
     """A CUDA graph of `reps` calls of `fn` (after a warm-up call on a side stream) and what the last call
-    returned: the tensors a replay writes."""
-    stream = torch.cuda.Stream()
+    returned: the tensors a replay writes. The capture is the engine's (`compilation.cuda_graph.capture_graph`)."""
+    from hf_accel.compilation.cuda_graph import capture_graph as engine_capture
+    from hf_accel.compilation.cuda_graph import capture_stream
+
+    stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            out = fn()
-    return graph, out
+    return engine_capture(lambda: [fn() for _ in range(reps)][-1], None)
 
 
 def median_seconds(run: Callable[[], object], samples: int) -> float:

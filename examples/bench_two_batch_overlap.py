@@ -167,8 +167,8 @@ def main() -> int:
     b.x.copy_(full.x[half:])
     kv_gb = sum(lengths) * dims["kv_heads"] * dims["head_dim"] * 2 * torch.finfo(dtype).bits // 8 * n_layers / 1e9
     print(f"device: {torch.cuda.get_device_name() if on_gpu else 'cpu'}  {args.workload}, {n_layers} layers, "
-          f"batch {len(lengths)} "
-          f"(halves {half} + {len(lengths) - half}), KV read per step {kv_gb:.2f} GB, pdl={use_pdl}")
+          f"batch {len(lengths)} (halves {half} + {len(lengths) - half}), KV read per step {kv_gb:.2f} GB, "
+          f"pdl={use_pdl}")
 
     def step(batch: Batch, attention: bool) -> torch.Tensor:
         return decode_step(batch, layers, final_norm, lm_head, dims, attention, use_pdl)
