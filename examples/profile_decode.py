@@ -36,7 +36,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers of the shape")
     ap.add_argument("--cudagraph-capture-sizes", default=None, help="comma-separated batch sizes")
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--gated-gemm", action="store_true", help="AccelConfig(gated_gemm=True)")
+    ap.add_argument("--gated-gemm", action=argparse.BooleanOptionalAction, default=True,
+                    help="AccelConfig.gated_gemm (default: on); --no-gated-gemm for the A/B")
     ap.add_argument("--log", action="store_true", help="log hf_accel's startup phases (INFO)")
     ap.add_argument("--runs", type=int, default=3, help="timed generate() calls; the median is printed")
     ap.add_argument("--walls-only", action="store_true",
@@ -65,10 +66,10 @@ def main() -> None:
         kw["cudagraph_capture_sizes"] = [int(x) for x in args.cudagraph_capture_sizes.split(",")]
     if args.no_compile:
         kw["compile"] = False
-    if args.gated_gemm:
+    if not args.gated_gemm:
         from hf_accel.config import AccelConfig
 
-        kw["config"] = AccelConfig(gated_gemm=True)
+        kw["config"] = AccelConfig(gated_gemm=False)
     accelerate_model(model, attention_backend=args.backend, **kw)
     info = engine_info(model)
     keep = ("attention_backend", "cudagraph_mode", "startup", "compile_error")

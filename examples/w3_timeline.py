@@ -9,7 +9,7 @@ bottleneck). With `--kernels`, a torch.profiler pass over one more call adds the
 the same way by the step each kernel ran in, so attention, GEMMs and the rest can be weighed against the roofline.
 
     python examples/w3_timeline.py --shape qwen3-0.6b [--calls 2] [--kernels] [--piecewise-capture-sizes 1,2,...]
-        [--gated-gemm] [--no-split-mixed-attention]
+        [--no-gated-gemm] [--no-split-mixed-attention]
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2, help="timed calls (after one warm-up call)")
     ap.add_argument("--scale", default="full", choices=tuple(SCALES))
     ap.add_argument("--piecewise-capture-sizes", default=None, help="comma-separated token counts")
-    ap.add_argument("--gated-gemm", action="store_true", help="AccelConfig(gated_gemm=True)")
+    ap.add_argument("--gated-gemm", action=argparse.BooleanOptionalAction, default=True,
+                    help="AccelConfig.gated_gemm (default: on); --no-gated-gemm for the A/B")
     ap.add_argument("--split-mixed-attention", action=argparse.BooleanOptionalAction, default=None,
                     help="AccelConfig.split_mixed_attention (default: on where it applies)")
     ap.add_argument("--kernels", action="store_true", help="one more call under torch.profiler: GPU time per kernel")
@@ -49,7 +50,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     model = build_model(a.shape, None, torch.bfloat16 if dev.type == "cuda" else torch.float32, dev, "none")
     disable_eos(model)
-    fields = {"gated_gemm": True} if a.gated_gemm else {}
+    fields = {} if a.gated_gemm else {"gated_gemm": False}
     if a.split_mixed_attention is not None:
         fields["split_mixed_attention"] = a.split_mixed_attention
     if a.piecewise_capture_sizes:

@@ -163,14 +163,14 @@ class AccelConfig:
     # with small_m_gemm: a gated SiLU MLP's packed gate/up linear and the `silu(gate) * up` after it are one op
     # (compilation/gated_activation.py); for row counts where warm-up timed it faster, the small-M GEMM applies the
     # gate in its epilogue and the activation's kernel is gone (one per layer); elsewhere the op runs the linear and
-    # one SiLU-and-mul kernel of ours, rounding as the stock MLP does. Off by default: on the H200 (same leases) it
-    # gave qwen3-0.6b W1 1,143 against 1,093 tok/s and W2 35,974 against 35,047, but W3 (decode at 256 rows, above
-    # the gated kernel's 64, so the op's SiLU-and-mul kernel runs where Inductor's fused one did) 29,296 against
-    # 30,613. That W3 loss was Inductor's q-norm + RoPE kernel keeping a slow configuration from its first-launch
-    # timing, not the gated op (compilation/piecewise.fixed_reduction_settings); with fixed configurations, on an H100,
-    # gated W1 / W2 / W3 1,035 / 31,817 / 25,246 against the previous default's 987 / 31,730 / 24,917. Off until the
-    # llama shapes are measured with it on the H200. True: on (the A/B; worth it for batch-1 / small-batch serving)
-    gated_gemm: bool = False
+    # one SiLU-and-mul kernel of ours, rounding as the stock MLP does. On by default: every workload measured gained
+    # or held within noise with it (same H100 lease, fixed reduction configurations, against False): qwen3-0.6b W1 1,044
+    # against 1,009 tok/s, W2 31,841 against 31,976, W3 25,125 against 24,799; llama-3.2-1b W1 841 against 826;
+    # llama-3.1-8b W1 178 against 178, W2 8,180 against 8,137 (examples/results, session 31). Its earlier W3 loss on
+    # the H200 (29,296 against 30,613) was Inductor's q-norm + RoPE kernel keeping a slow launch configuration from
+    # its first-launch timing, not the gated op (compilation/piecewise.fixed_reduction_settings). False: the linear
+    # and Inductor's fused activation, as before (the A/B)
+    gated_gemm: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

@@ -281,26 +281,26 @@ def test_first_step_logits_close(shape):
 
 
 @requires_cuda
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_batch_one_decode_judged_by_float32(shape):
+@pytest.mark.parametrize(("shape", "gated"), [(shape, True) for shape in SHAPES] + [("qwen3-0.6b", False)])
+def test_batch_one_decode_judged_by_float32(shape, gated):
     """Batch-1 decode, where the small-M GEMM's one-row kernel runs (every other case here decodes several rows):
     two rows equal to stock up to near-ties, and the judge batch's 64 rows generated one call each agree with the
     float32 copy at least as often as stock's batched bf16 output does, minus one point. The tuner must have chosen
-    the one-row kernel for some linear, or the test proves nothing about it."""
+    the one-row kernel for some linear, or the test proves nothing about it. The gated gate/up GEMM (on by default)
+    is judged here, and once without it (its A/B switch's path)."""
     model = gpu_model(shape)
     jids, jmask = judge_batch()
     refs = []
     for row in (0, 1):
         ids = jids[row : row + 1, jmask[row].bool()]
         refs.append((ids, *reference(model, ids, torch.ones_like(ids), 24)))
-    # the gated gate/up GEMM (off by default) is judged here too
-    accelerate_model(model, attention_backend="triton", config=AccelConfig(gated_gemm=True))
+    accelerate_model(model, attention_backend="triton", config=AccelConfig(gated_gemm=gated))
     try:
         decisions = (engine_info(model)["small_m_gemm"] or {}).get("decisions", {})
         assert any(isinstance(d, dict) and d.get("gemv") for d in decisions.values()), decisions
         if model.config.hidden_size <= MAX_FOLD_K:  # the norms run inside the one-row GEMMs: judged here too
             assert engine_info(model)["folded_norms"] > 0
-        assert engine_info(model)["gated_linears"] > 0
+        assert (engine_info(model)["gated_linears"] > 0) == gated
         for ids, ref, ref_scores in refs:
             got = model.generate(input_ids=ids, max_new_tokens=24, do_sample=False)
             assert_greedy_matches(ref, got, ref_scores, ids.shape[1])
@@ -314,6 +314,6 @@ def test_batch_one_decode_judged_by_float32(shape):
     judged = torch.cat([jids, torch.cat(new)], dim=1)
     stock_rate = fp32_agreement(shape, stock_judge_output(shape), jmask, jids.shape[1])
     ours_rate = fp32_agreement(shape, judged, jmask, jids.shape[1])
-    report(test="fp32_agreement_batch_1", shape=shape, backend="triton", mode="auto", stock=stock_rate,
+    report(test="fp32_agreement_batch_1", shape=shape, backend="triton", mode="auto", gated=gated, stock=stock_rate,
            ours=ours_rate)
     assert ours_rate >= stock_rate - 0.01, f"float32 agreement: ours {ours_rate:.3f} < stock {stock_rate:.3f} - 1 pp"

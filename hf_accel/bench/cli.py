@@ -220,7 +220,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "batch 1 (default: on); --no-fold-norms keeps Inductor's norm kernels")
     a.add_argument("--gated-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="a gated MLP's SiLU-and-mul runs in its gate/up GEMM's epilogue where warm-up timed it "
-                        "faster (default: off, see AccelConfig.gated_gemm); --gated-gemm for the A/B")
+                        "faster (default: on); --no-gated-gemm keeps the linear and Inductor's activation kernel")
     a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="read the traced forward back from the compile cache (default: on); "
                         "--no-reuse-traced-graph traces every start")
