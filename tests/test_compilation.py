@@ -1037,6 +1037,37 @@ def test_compile_with_one_sequence_per_step_falls_back_instead_of_failing():
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), want)
 
 
+@pytest.mark.parametrize("restored", [True, False])
+def test_compiled_model_is_freed_once_dropped(restored):
+    """A compiled model dropped by its user (after restore(), or still accelerated) is freed with its engine and
+    compiled forward. torch.compile keeps every backend in a process-wide dict, Dynamo stores the compiled graph as
+    a global of the compiled frame, and a guard on the model's forward is held by a `weakref.finalize` on it until
+    it dies: each of these held the compiled pieces, their CUDA graphs and the model for the life of the process
+    (a re-acceleration, e.g. a PEFT adapter switch, added one more set each time)."""
+    import gc
+    import weakref
+
+    from hf_accel import accelerate_model, restore
+    from hf_accel.config import AccelConfig
+
+    model = make_model("llama", num_layers=1)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(10, 100, (1, 7))
+    want = model.generate(ids, max_new_tokens=4, do_sample=False)
+    accelerate_model(model, compile=True, num_kv_blocks=32, config=AccelConfig(compile_cache_dir=""))
+    piecewise = model._hf_accel_state.engine.runner.piecewise
+    assert piecewise is not None  # compiled, not the eager fallback
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)
+    refs = [weakref.ref(x) for x in (model, piecewise, model._hf_accel_state.engine, piecewise.split_gm)]
+    del piecewise
+    if restored:
+        restore(model)
+    del model
+    gc.collect()
+    alive = [type(r()).__name__ for r in refs if r() is not None]
+    assert not alive, f"still alive after the model was dropped: {alive}"
+
+
 def test_accelerate_and_restore_pack_and_unpack_with_compile(tmp_path):
     from hf_accel import accelerate_model, restore
 

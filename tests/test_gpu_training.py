@@ -8,6 +8,7 @@ After an optimizer step generate() uses the new weights with the same compiled c
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -132,3 +133,37 @@ def _switch_adapters(stock, accel, base) -> None:
         assert base._hf_accel_state.engine.runner.piecewise is not None
         outs.append(got)
     assert not torch.equal(outs[0], outs[1])
+
+
+@requires_cuda
+def test_dropped_models_give_their_gpu_memory_back():
+    """restore() hands the KV cache and the CUDA graphs' memory back at once; dropping the model hands back the
+    rest (weights, compiled pieces). Twice over, so memory a first engine leaves behind (a kernel's workspace)
+    is not counted: the second round must end where the first did, with no CUDA graph alive."""
+
+    def settled() -> tuple[int, int]:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        return torch.cuda.memory_allocated(), total - free
+
+    ids, mask = batch([40, 9, 27], seed=5)
+    ends = []
+    for _ in range(2):
+        model = small_qwen3()
+        accelerate_model(model)
+        assert model._hf_accel_state.engine.runner.piecewise is not None
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        kv_bytes = model._hf_accel_state.engine.kv_cache_bytes
+        restore(model)
+        allocated, used = settled()
+        assert allocated < kv_bytes / 4, (allocated, kv_bytes)  # the KV cache went back with restore()
+        del model
+        ends.append(settled())
+        # type(), not isinstance(): a dead weak proxy among the objects raises on its __class__
+        assert not [o for o in gc.get_objects() if issubclass(type(o), torch.cuda.CUDAGraph)]
+    (alloc1, used1), (alloc2, used2) = ends
+    assert alloc2 <= alloc1 + 2**20, (alloc1, alloc2)
+    assert used2 <= used1 + 64 * 2**20, (used1, used2)
+

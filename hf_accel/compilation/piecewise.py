@@ -25,12 +25,15 @@ other tensor is copied into the captured one (correct, slightly slower).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import itertools
 import logging
 import os
 import time
+import types
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -221,14 +224,67 @@ _entry_counter = itertools.count()
 
 
 def _fresh_entry(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A wrapper with its own code object: Dynamo caches compiled frames per code object and caps recompiles (8),
-    so models compiled in one process through the same forward function would otherwise exhaust one shared cap."""
+    """A wrapper with its own code object and its own globals.
+
+    The code object: Dynamo caches compiled frames per code object and caps recompiles (8), so models compiled in
+    one process through the same forward function would otherwise exhaust one shared cap. The globals: Dynamo
+    stores the compiled graph as a global of the compiled frame (`__compiled_fn_...`); in this module's globals
+    that entry would keep the compiled pieces, their CUDA graphs and the model alive for the life of the process.
+    In a dict of the wrapper's own it goes when the wrapper does."""
 
     def entry(*args: Any) -> Any:
         return fn(*args)
 
-    entry.__code__ = entry.__code__.replace(co_name=f"hf_accel_forward_{next(_entry_counter)}")
-    return entry
+    code = entry.__code__.replace(co_name=f"hf_accel_forward_{next(_entry_counter)}")
+    own_globals = {"__builtins__": builtins, "__name__": __name__}
+    return types.FunctionType(code, own_globals, code.co_name, None, entry.__closure__)
+
+
+class _WeakBackend:
+    """The torch.compile backend handed to Dynamo: calls `PiecewiseForward._backend` through a weak reference.
+
+    Dynamo keeps every backend it is given in a process-wide dict until `torch._dynamo.reset()`
+    (`torch._dynamo.eval_frame.cached_backends`). Handed the bound method, it kept the PiecewiseForward alive for
+    the life of the process, and with it the model (weights), the compiled pieces and every captured piecewise CUDA
+    graph with its memory pool, after restore() and after the model itself was dropped. Only this small object
+    stays there now."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: PiecewiseForward) -> None:
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("hf_accel: the compiled forward this trace belongs to was freed")
+        return owner._backend(gm, example_inputs)
+
+
+class _DynamoEntry:
+    """What the backend gives Dynamo to stand for the traced graph: the split graph, reached through weak references.
+
+    Dynamo keeps it alive from its guards, and a guard on an object (the model's forward) is held by a
+    `weakref.finalize` on that same object until it dies, which it could never do while this entry held the
+    split graph (and through it the PiecewiseForward and the model) strongly. On its first call it records what
+    Dynamo passes and gets back, which proves (or not) the direct-call layout."""
+
+    __slots__ = ("_owner", "_split_gm", "_recorded")
+
+    def __init__(self, owner: PiecewiseForward, split_gm: torch.fx.GraphModule) -> None:
+        self._owner = weakref.ref(owner)
+        self._split_gm = weakref.ref(split_gm)
+        self._recorded = False
+
+    def __call__(self, *args: Any) -> Any:
+        owner, split_gm = self._owner(), self._split_gm()
+        if owner is None or split_gm is None:
+            raise RuntimeError("hf_accel: the compiled forward this trace belongs to was freed")
+        out = split_gm.forward(*args)
+        if not self._recorded:
+            self._recorded = True
+            owner._first_call_args, owner._first_call_out = list(args), out
+        return out
 
 
 class _Capture:
@@ -374,6 +430,9 @@ class PiecewiseForward:
         self._direct: Callable | None = None
         self._bind_error: str | None = None
         self._first_call_args: list[Any] | None = None
+        # every split graph handed to Dynamo, kept here (its entries hold them weakly): after a recompile, inputs
+        # that pass an earlier entry's guards still run that entry's graph
+        self._dynamo_graphs: list[torch.fx.GraphModule] = []
         self._first_call_out: Any = None
 
     # ------------------------------------------------------------------ compile
@@ -396,7 +455,7 @@ class PiecewiseForward:
                 return out
         for k, d in self.token_dims + self.other_dynamic_dims:
             torch._dynamo.mark_dynamic(example_inputs[k], d)
-        self._dynamo_fn = torch.compile(_fresh_entry(self.forward_fn), backend=self._backend, fullgraph=True)
+        self._dynamo_fn = torch.compile(_fresh_entry(self.forward_fn), backend=_WeakBackend(self), fullgraph=True)
         self._tracing_args = tuple(example_inputs)
         t0 = time.perf_counter()
         try:
@@ -517,19 +576,8 @@ class PiecewiseForward:
         self.stats.compile_seconds = time.perf_counter() - t0
         if self._tracing_args is not None:
             self._prepare_binding(gm, example_inputs)
-        forward = split_gm.forward
-        recorded = False
-
-        def first_call_recorder(*args: Any) -> Any:
-            # what Dynamo passes and gets back on the first call proves (or not) the direct-call layout
-            nonlocal recorded
-            out = forward(*args)
-            if not recorded:
-                recorded = True
-                self._first_call_args, self._first_call_out = list(args), out
-            return out
-
-        return first_call_recorder
+        self._dynamo_graphs.append(split_gm)
+        return _DynamoEntry(self, split_gm)
 
     def _build(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.GraphModule:
         # 1. partition: a new piece after every splitting op, each op alone in its own
