@@ -250,6 +250,7 @@ class _WeakBackend:
     stays there now."""
 
     __slots__ = ("_owner",)
+    __name__ = "hf_accel_piecewise_backend"  # what Dynamo's messages call the backend
 
     def __init__(self, owner: PiecewiseForward) -> None:
         self._owner = weakref.ref(owner)
@@ -510,6 +511,7 @@ class PiecewiseForward:
         self._template, self._arg_slots, self._size_slots = None, [], []
         self._direct, self._bind_error = None, None
         self._first_call_args = self._first_call_out = None
+        self._dynamo_graphs = []
         self.stats = CompileStats()
 
     def _log_compiled(self, total: float) -> None:
@@ -817,7 +819,9 @@ class PiecewiseForward:
         self.use_cudagraph = False
         self.graphs_enabled = False
         self.capturing_size, self.pool_ptrs = None, set()
-        for piece in self.pieces:
+        # the pieces of split graphs that a Dynamo recompile replaced may hold captures too
+        earlier = [r for gm in self._dynamo_graphs for r in vars(gm).values() if isinstance(r, PieceRunner)]
+        for piece in [*self.pieces, *earlier]:
             piece.captures.clear()
         self.stats.captured_sizes.clear()
         self.stats.pool_bytes_allocated = self.stats.pool_bytes_reserved = 0
