@@ -592,12 +592,10 @@ def _restore_locked(model, state: AccelState, keep_methods: bool = False) -> Non
     if torch.cuda.is_available():
         # the graphs' memory pools go back now, not when the last reference to the old engine goes: a
         # re-acceleration sizes its new KV cache while its caller still holds the old state
-        drop_graphs = getattr(state.engine.runner, "drop_graphs", None)
-        if drop_graphs is not None:
-            try:
-                drop_graphs([])
-            except Exception as exc:  # freeing early is an optimisation; the engine is done either way
-                logger.debug("hf_accel: dropping the restored engine's CUDA graphs failed: %s", exc)
+        try:
+            state.engine.runner.drop_graphs([])
+        except Exception as exc:  # freeing early is an optimisation; the engine is done either way
+            logger.debug("hf_accel: dropping the restored engine's CUDA graphs failed: %s", exc)
         torch.cuda.empty_cache()
 
 

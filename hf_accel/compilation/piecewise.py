@@ -240,6 +240,14 @@ def _fresh_entry(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(code, own_globals, code.co_name, None, entry.__closure__)
 
 
+def _alive(ref: weakref.ref) -> Any:
+    """The object behind `ref`; a clear error if it was freed (a trace of a compiled forward that is gone)."""
+    obj = ref()
+    if obj is None:
+        raise RuntimeError("hf_accel: the compiled forward this trace belongs to was freed")
+    return obj
+
+
 class _WeakBackend:
     """The torch.compile backend handed to Dynamo: calls `PiecewiseForward._backend` through a weak reference.
 
@@ -256,10 +264,7 @@ class _WeakBackend:
         self._owner = weakref.ref(owner)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        owner = self._owner()
-        if owner is None:
-            raise RuntimeError("hf_accel: the compiled forward this trace belongs to was freed")
-        return owner._backend(gm, example_inputs)
+        return _alive(self._owner)._backend(gm, example_inputs)
 
 
 class _DynamoEntry:
@@ -278,12 +283,10 @@ class _DynamoEntry:
         self._recorded = False
 
     def __call__(self, *args: Any) -> Any:
-        owner, split_gm = self._owner(), self._split_gm()
-        if owner is None or split_gm is None:
-            raise RuntimeError("hf_accel: the compiled forward this trace belongs to was freed")
-        out = split_gm.forward(*args)
+        out = _alive(self._split_gm).forward(*args)
         if not self._recorded:
             self._recorded = True
+            owner = _alive(self._owner)
             owner._first_call_args, owner._first_call_out = list(args), out
         return out
 
@@ -431,9 +434,9 @@ class PiecewiseForward:
         self._direct: Callable | None = None
         self._bind_error: str | None = None
         self._first_call_args: list[Any] | None = None
-        # every split graph handed to Dynamo, kept here (its entries hold them weakly): after a recompile, inputs
-        # that pass an earlier entry's guards still run that entry's graph
-        self._dynamo_graphs: list[torch.fx.GraphModule] = []
+        # every split graph built, kept here (the entries standing for them hold them weakly): after a Dynamo
+        # recompile, inputs that pass an earlier entry's guards still run that entry's graph
+        self._split_graphs: list[torch.fx.GraphModule] = []
         self._first_call_out: Any = None
 
     # ------------------------------------------------------------------ compile
@@ -511,7 +514,7 @@ class PiecewiseForward:
         self._template, self._arg_slots, self._size_slots = None, [], []
         self._direct, self._bind_error = None, None
         self._first_call_args = self._first_call_out = None
-        self._dynamo_graphs = []
+        self._split_graphs = []
         self.stats = CompileStats()
 
     def _log_compiled(self, total: float) -> None:
@@ -578,7 +581,7 @@ class PiecewiseForward:
         self.stats.compile_seconds = time.perf_counter() - t0
         if self._tracing_args is not None:
             self._prepare_binding(gm, example_inputs)
-        self._dynamo_graphs.append(split_gm)
+        self._split_graphs.append(split_gm)
         return _DynamoEntry(self, split_gm)
 
     def _build(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.GraphModule:
@@ -819,10 +822,11 @@ class PiecewiseForward:
         self.use_cudagraph = False
         self.graphs_enabled = False
         self.capturing_size, self.pool_ptrs = None, set()
-        # the pieces of split graphs that a Dynamo recompile replaced may hold captures too
-        earlier = [r for gm in self._dynamo_graphs for r in vars(gm).values() if isinstance(r, PieceRunner)]
-        for piece in [*self.pieces, *earlier]:
-            piece.captures.clear()
+        # every split graph's pieces: those of graphs a Dynamo recompile replaced may hold captures too
+        for gm in self._split_graphs:
+            for piece in vars(gm).values():
+                if isinstance(piece, PieceRunner):
+                    piece.captures.clear()
         self.stats.captured_sizes.clear()
         self.stats.pool_bytes_allocated = self.stats.pool_bytes_reserved = 0
 
