@@ -1021,6 +1021,42 @@ def test_compiled_at_a_larger_example_step_matches_stock(monkeypatch):
     assert torch.equal(got, want)
 
 
+def test_combo_kernels_switch_reaches_inductor_and_matches_stock(monkeypatch):
+    """AccelConfig(combo_kernels=True) (the A/B switch of Inductor's horizontal fusion) is in force while the pieces
+    compile, and only then: explicitly off by default even where the process turned it on, and put back after. The
+    compiled model still gives stock's greedy tokens."""
+    import torch._inductor.config as inductor_config
+
+    from hf_accel import accelerate_model
+    from hf_accel.compilation import piecewise
+    from hf_accel.config import AccelConfig
+
+    for on in (False, True):
+        with inductor_config.patch(combo_kernels=not on), piecewise.inductor_settings(pdl=False, combo_kernels=on):
+            assert inductor_config.combo_kernels is on
+    assert inductor_config.combo_kernels is False
+
+    seen = []
+    real = piecewise.inductor_settings
+
+    def spy(*args, **kwargs):
+        ctx = real(*args, **kwargs)
+        seen.append(kwargs.get("combo_kernels", args[2] if len(args) > 2 else False))
+        return ctx
+
+    monkeypatch.setattr(piecewise, "inductor_settings", spy)
+    model = make_model("qwen3", num_layers=2)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(10, 100, (3, 9))
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    accelerate_model(model, compile=True, num_kv_blocks=64,
+                     config=AccelConfig(compile_cache_dir="", combo_kernels=True))
+    assert model._hf_accel_state.engine.runner.piecewise is not None  # compiled, not the eager fallback
+    assert seen and all(seen)
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+
+
 def test_compile_with_one_sequence_per_step_falls_back_instead_of_failing():
     """max_num_seqs=1: the compiler needs an example step of two sequences, which the runner's buffers cannot hold;
     accelerate_model warns and runs uncompiled (it raised before), with greedy output equal to stock."""

@@ -121,7 +121,8 @@ def accel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 # AccelConfig switches with a --flag / --no-flag option of the same name
 _SWITCHES = ("pdl", "small_m_gemm", "fused_split_reductions", "decode_attention_kernel", "decode_longest_first",
-             "split_mixed_attention", "reuse_traced_graph", "graph_greedy_argmax", "fold_norms", "gated_gemm")
+             "split_mixed_attention", "reuse_traced_graph", "graph_greedy_argmax", "fold_norms", "gated_gemm",
+             "combo_kernels")
 
 
 def _accel_argv(args: argparse.Namespace) -> list[str]:

@@ -107,7 +107,8 @@ def start_compile_workers() -> bool:
     return True
 
 
-def inductor_settings(pdl: bool, eager_casts: bool = False) -> contextlib.AbstractContextManager:
+def inductor_settings(pdl: bool, eager_casts: bool = False,
+                      combo_kernels: bool = False) -> contextlib.AbstractContextManager:
     """Inductor config for the pieces, whatever the process set globally, so each switch is one flag here:
 
     - generated Triton kernels use PDL (`triton.enable_pdl`, torch >= 2.10) when `pdl`, explicitly not otherwise
@@ -120,12 +121,16 @@ def inductor_settings(pdl: bool, eager_casts: bool = False) -> contextlib.Abstra
       PyTorch does (`eager_rounding_settings`), for models that quantize activations
       (`patches.quantization.quantizes_activations` says why); elsewhere Inductor's extra precision is kept;
     - each generated reduction kernel gets one launch configuration from Inductor's heuristics
-      (`fixed_reduction_settings`) instead of the fastest of several timed at its first launch.
+      (`fixed_reduction_settings`) instead of the fastest of several timed at its first launch;
+    - with `combo_kernels`, Inductor launches independent kernels of a piece as one (horizontal fusion): Qwen3's
+      q-norm + RoPE and k-norm + RoPE kernels become one launch per layer (`AccelConfig.combo_kernels`), explicitly
+      not otherwise.
     """
     import torch._inductor.config as inductor_config
 
     settings: dict[str, Any] = {"coordinate_descent_tuning": False, "coordinate_descent_check_all_directions": False}
     settings.update(fixed_reduction_settings(inductor_config))
+    settings["combo_kernels"] = bool(combo_kernels)
     if hasattr(inductor_config.triton, "enable_pdl"):
         settings["triton.enable_pdl"] = bool(pdl)
     if eager_casts:
@@ -385,13 +390,13 @@ class PiecewiseForward:
                  other_dynamic_dims: Sequence[tuple[int, int]] = ((2, 0),),
                  bypass_dynamo: bool = True, merge_linears: bool = True, route_linears: bool = False,
                  pdl: bool = False, eager_casts: bool = False, trace_cache: TraceCache | None = None,
-                 fold_norms: bool = False, gated_gemm: bool = False) -> None:
+                 fold_norms: bool = False, gated_gemm: bool = False, combo_kernels: bool = False) -> None:
         """`route_linears`: linears go through `hf_accel::linear` (small-M GEMM where tuned; compile pass
         `small_m_linear`). `fold_norms` (with `route_linears`): RMSNorms feeding one routed linear go into it
         (compile pass `norm_folding`). `gated_gemm` (with `route_linears`): a gate/up linear and the SiLU-and-mul
         after it become one op (compile pass `gated_activation`).
         `pdl`: Inductor's kernels are generated with programmatic dependent launch
-        (sm90+).
+        (sm90+). `combo_kernels`: Inductor launches a piece's independent kernels as one (`inductor_settings`).
         `eager_casts`: Inductor rounds intermediates as eager does (`inductor_settings`). `trace_cache`: where the
         traced graph is stored and found again (a later start skips Dynamo; compilation/trace_cache.py)."""
         if compiler not in ("inductor", "eager"):
@@ -410,6 +415,7 @@ class PiecewiseForward:
         self.route_linears = route_linears
         self.fold_norms = fold_norms
         self.gated_gemm = gated_gemm
+        self.combo_kernels = combo_kernels
         self.pdl = pdl
         self.eager_casts = eager_casts
         self.trace_cache = trace_cache
@@ -723,7 +729,7 @@ class PiecewiseForward:
         from torch._inductor.compile_fx import compile_fx
 
         ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-        with ctx, torch.no_grad(), inductor_settings(self.pdl, self.eager_casts):
+        with ctx, torch.no_grad(), inductor_settings(self.pdl, self.eager_casts, self.combo_kernels):
             fn = compile_fx(submod, args)
         return fn  # positional arguments (its `_boxed_call` attribute is copied from an inner function)
 
