@@ -1,7 +1,7 @@
 """Attention kernel benchmark: hf_accel's Triton kernels beside flashinfer and flash-attn 4 (CUDA only).
 
-Shapes follow qwen3-0.6b / llama-style GQA: bf16, 16 query heads / 8 KV heads, head_dim 128, paged KV with block
-size 16 in the NHD layout every backend shares. Cases:
+Shapes follow qwen3-0.6b / llama-style GQA: bf16, 16 query heads / 8 KV heads (`--query-heads 32` for
+llama-3.1-8b's), head_dim 128, paged KV with block size 16 in the NHD layout every backend shares. Cases:
 - decode: 1, 8, 64, 256 sequences at contexts 512, 4k, 32k; time and achieved bandwidth (KV bytes read + q + out)
 - prefill: one sequence of 1k, 2k, 4k, 8k tokens, causal; TFLOP/s (4 * H * D * causal pairs)
 
@@ -217,6 +217,12 @@ def fmt_row(r: dict) -> str:
             f"{diff}{note}")
 
 
+def set_query_heads(n: int) -> None:
+    """Every case and spec of this run gets `n` query heads (the module constant the helpers read)."""
+    global NUM_HEADS
+    NUM_HEADS = n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write all results to this path")
@@ -234,7 +240,13 @@ def main() -> int:
     ap.add_argument("--decode-study", action="store_true",
                     help="only the W1/W2 decode shapes (batch 1 and 64 at contexts 128-384): the unified kernel, the "
                          "decode kernel unsplit and split, decode tiles")
+    ap.add_argument("--query-heads", type=int, default=NUM_HEADS,
+                    help=f"query heads per token beside {NUM_KV_HEADS} KV heads (default {NUM_HEADS}, qwen3-0.6b; "
+                         "32 for llama-3.1-8b's GQA groups of four)")
     args = ap.parse_args()
+    if args.query_heads < 1 or args.query_heads % NUM_KV_HEADS:
+        ap.error(f"--query-heads must be a positive multiple of {NUM_KV_HEADS}")
+    set_query_heads(args.query_heads)
     if not torch.cuda.is_available():
         print("bench_attention_kernels: needs a CUDA GPU", file=sys.stderr)
         return 1
