@@ -212,6 +212,30 @@ def test_dynamo_path_traces_once_for_several_sizes():
     assert pf.num_backend_calls == 1
 
 
+def test_dynamo_path_recompile_keeps_no_step_alive():
+    """Through Dynamo, a runtime recompile (here the 0/1 specialization of a one-token step) compiles a new graph
+    whose first call is a serving step, not compile()'s: its inputs and logits must not stay referenced until the
+    next recompile (only compile()'s own first call is recorded, to prove the direct-call layout)."""
+    import weakref
+
+    model = make_model("llama", num_layers=2)
+    eager = forward_fn_of(model)
+    steps = PagedSteps(model)
+    pf = compile_piecewise(eager, use_cudagraph=False, compiler="eager", bypass_dynamo=False)
+    compile_on_example(steps, pf)
+    assert pf._first_call_args is None and pf._first_call_out is None
+    args, ctx = steps.step([1])  # T = 1, N = 1: Dynamo specializes, so the backend compiles again
+    with torch.inference_mode(), forward_context(ctx):
+        out = pf(*args)
+        ref = eager(*args)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    assert pf.num_backend_calls == 2
+    dead = weakref.ref(out)
+    del out
+    assert pf._first_call_args is None and pf._first_call_out is None
+    assert dead() is None
+
+
 def test_compile_rejects_degenerate_example_sizes():
     model = make_model("llama", num_layers=2)
     steps = PagedSteps(model)

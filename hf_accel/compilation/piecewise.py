@@ -277,8 +277,10 @@ class _DynamoEntry:
 
     Dynamo keeps it alive from its guards, and a guard on an object (the model's forward) is held by a
     `weakref.finalize` on that same object until it dies, which it could never do while this entry held the
-    split graph (and through it the PiecewiseForward and the model) strongly. On its first call it records what
-    Dynamo passes and gets back, which proves (or not) the direct-call layout."""
+    split graph (and through it the PiecewiseForward and the model) strongly. On its first call inside compile()
+    it records what Dynamo passes and gets back, which proves (or not) the direct-call layout; the first call of a
+    graph Dynamo recompiled while serving is a step like any other, and keeping its inputs and logits would hold
+    them until the next recompile."""
 
     __slots__ = ("_owner", "_split_gm", "_recorded")
 
@@ -292,7 +294,8 @@ class _DynamoEntry:
         if not self._recorded:
             self._recorded = True
             owner = _alive(self._owner)
-            owner._first_call_args, owner._first_call_out = list(args), out
+            if owner._tracing_args is not None:  # compile()'s own call: _finish_binding reads it and lets go
+                owner._first_call_args, owner._first_call_out = list(args), out
         return out
 
 
