@@ -644,6 +644,8 @@ def engine_info(model) -> dict[str, Any]:
         "gated_linears": (len(eng.runner.piecewise.stats.gated_linears)
                           if getattr(eng.runner, "piecewise", None) is not None else 0),
         "gated_gemm": eng.compile_info.get("gated_gemm"),
+        # Inductor's combo kernels were in force for the compiled pieces (AccelConfig.combo_kernels, compiled, GPU)
+        "combo_kernels": bool(eng.compile_info.get("combo_kernels")),
         # the compiled pieces round as eager PyTorch does (a model that quantizes activations; patches/quantization)
         "eager_precision_casts": bool(eng.compile_info.get("eager_precision_casts")),
         # what was turned off at startup and why (e.g. a quantized module that a CUDA graph cannot capture)

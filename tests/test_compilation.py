@@ -1048,10 +1048,11 @@ def test_compiled_at_a_larger_example_step_matches_stock(monkeypatch):
 def test_combo_kernels_switch_reaches_inductor_and_matches_stock(monkeypatch):
     """AccelConfig(combo_kernels=True) (the A/B switch of Inductor's horizontal fusion) is in force while the pieces
     compile, and only then: explicitly off by default even where the process turned it on, and put back after. The
-    compiled model still gives stock's greedy tokens."""
+    compiled model still gives stock's greedy tokens. Inductor combines no CPU kernels, so this checks the plumbing
+    and that the option is harmless here; test_gpu_ab's combo test checks that it combines kernels."""
     import torch._inductor.config as inductor_config
 
-    from hf_accel import accelerate_model
+    from hf_accel import accelerate_model, engine_info
     from hf_accel.compilation import piecewise
     from hf_accel.config import AccelConfig
 
@@ -1077,6 +1078,8 @@ def test_combo_kernels_switch_reaches_inductor_and_matches_stock(monkeypatch):
                      config=AccelConfig(compile_cache_dir="", combo_kernels=True))
     assert model._hf_accel_state.engine.runner.piecewise is not None  # compiled, not the eager fallback
     assert seen and all(seen)
+    info = engine_info(model)
+    assert info["config"]["combo_kernels"] is True and info["combo_kernels"] is False  # asked for; none on CPU
     got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want)
 

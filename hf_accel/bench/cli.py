@@ -222,8 +222,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a gated MLP's SiLU-and-mul runs in its gate/up GEMM's epilogue where warm-up timed it "
                         "faster (default: on); --no-gated-gemm keeps the linear and Inductor's activation kernel")
     a.add_argument("--combo-kernels", action=argparse.BooleanOptionalAction, default=None,
-                   help="Inductor launches each compiled piece's independent kernels as one (default: off); "
-                        "--combo-kernels for the A/B")
+                   help="Inductor launches each compiled piece's independent GPU kernels together, up to eight per "
+                        "launch (default: off); --combo-kernels for the A/B")
     a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="read the traced forward back from the compile cache (default: on); "
                         "--no-reuse-traced-graph traces every start")

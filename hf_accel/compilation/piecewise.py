@@ -122,9 +122,9 @@ def inductor_settings(pdl: bool, eager_casts: bool = False,
       (`patches.quantization.quantizes_activations` says why); elsewhere Inductor's extra precision is kept;
     - each generated reduction kernel gets one launch configuration from Inductor's heuristics
       (`fixed_reduction_settings`) instead of the fastest of several timed at its first launch;
-    - with `combo_kernels`, Inductor launches independent kernels of a piece as one (horizontal fusion): Qwen3's
-      q-norm + RoPE and k-norm + RoPE kernels become one launch per layer (`AccelConfig.combo_kernels`), explicitly
-      not otherwise.
+    - with `combo_kernels`, Inductor launches independent GPU kernels of a piece together, up to eight per launch
+      (horizontal fusion): Qwen3's q-norm + RoPE and k-norm + RoPE kernels become one launch per layer
+      (`AccelConfig.combo_kernels`); explicitly not otherwise. Inductor combines no CPU kernels.
     """
     import torch._inductor.config as inductor_config
 
@@ -399,7 +399,7 @@ class PiecewiseForward:
         (compile pass `norm_folding`). `gated_gemm` (with `route_linears`): a gate/up linear and the SiLU-and-mul
         after it become one op (compile pass `gated_activation`).
         `pdl`: Inductor's kernels are generated with programmatic dependent launch
-        (sm90+). `combo_kernels`: Inductor launches a piece's independent kernels as one (`inductor_settings`).
+        (sm90+). `combo_kernels`: Inductor launches a piece's independent GPU kernels together (`inductor_settings`).
         `eager_casts`: Inductor rounds intermediates as eager does (`inductor_settings`). `trace_cache`: where the
         traced graph is stored and found again (a later start skips Dynamo; compilation/trace_cache.py)."""
         if compiler not in ("inductor", "eager"):

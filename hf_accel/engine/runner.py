@@ -483,7 +483,7 @@ class ModelRunner:
         `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket;
         `fold_norms`: the RMSNorms before them go into them (compilation/norm_folding.py). `gated_gemm`: a gate/up
         linear and its SiLU-and-mul are one op, tuned here too (compilation/gated_activation.py). `combo_kernels`:
-        Inductor launches each piece's independent kernels as one (compilation/piecewise.inductor_settings).
+        Inductor launches each piece's independent GPU kernels together (compilation/piecewise.inductor_settings).
         `progress`: a `hf_accel.progress.StartupProgress` told when each phase starts. `tp`: the tensor-parallel
         group (engine/tensor_parallel.py); a compile failure on one of its ranks ends the job instead of falling
         back on that rank alone. `reuse_traced_graph`: Dynamo's trace is stored in the compile cache and a later
@@ -570,6 +570,8 @@ class ModelRunner:
                                                       backend_name=self.backend.name)
                 info["cudagraph_mode"] = self.dispatcher.mode.value
             info["compile_s"] = time.perf_counter() - t0
+            # whether Inductor could combine kernels: asked for, compiled, and on the GPU (it combines no CPU ones)
+            info["combo_kernels"] = bool(combo_kernels and self.piecewise is not None and on_cuda)
             if self.piecewise is not None:  # where the compile time goes: Dynamo tracing vs split + Inductor
                 info["trace_s"] = self.piecewise.stats.trace_seconds
                 info["trace_source"] = self.piecewise.stats.trace_source
