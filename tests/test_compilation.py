@@ -1026,23 +1026,30 @@ def test_packing_skips_tied_and_mismatched_weights():
     assert attn.q_proj.weight.untyped_storage().data_ptr() != attn.v_proj.weight.untyped_storage().data_ptr()
 
 
-def test_compiled_at_a_larger_example_step_matches_stock(monkeypatch):
-    """HF_ACCEL_COMPILE_TOKENS (the first compiled step's size, the A/B switch of Inductor's tuning hint): the
-    compiled forward then serves every step shape as before, greedy output equal to stock."""
+def compiled_qwen3_matching_stock(**config):
+    """A two-layer qwen3 accelerated with compile on (`AccelConfig(compile_cache_dir="", **config)`): checks that it
+    compiled (no eager fallback) and that its greedy tokens are stock's; returns it, still accelerated."""
     from hf_accel import accelerate_model, engine_info
     from hf_accel.config import AccelConfig
 
-    monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", "48")
     model = make_model("qwen3", num_layers=2)
     model.config._attn_implementation = "sdpa"
     ids = torch.randint(10, 100, (3, 9))
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
-    accelerate_model(model, compile=True, num_kv_blocks=64, config=AccelConfig(compile_cache_dir=""))
+    accelerate_model(model, compile=True, num_kv_blocks=64, config=AccelConfig(compile_cache_dir="", **config))
     info = engine_info(model)
     assert "compile_error" not in info.get("fallbacks", {}), info.get("fallbacks")
     assert model._hf_accel_state.engine.runner.piecewise is not None  # compiled, not the eager fallback
     got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want)
+    return model
+
+
+def test_compiled_at_a_larger_example_step_matches_stock(monkeypatch):
+    """HF_ACCEL_COMPILE_TOKENS (the first compiled step's size, the A/B switch of Inductor's tuning hint): the
+    compiled forward then serves every step shape as before, greedy output equal to stock."""
+    monkeypatch.setenv("HF_ACCEL_COMPILE_TOKENS", "48")
+    compiled_qwen3_matching_stock()
 
 
 def test_combo_kernels_switch_reaches_inductor_and_matches_stock(monkeypatch):
@@ -1050,38 +1057,32 @@ def test_combo_kernels_switch_reaches_inductor_and_matches_stock(monkeypatch):
     compile, and only then: explicitly off by default even where the process turned it on, and put back after. The
     compiled model still gives stock's greedy tokens. Inductor combines no CPU kernels, so this checks the plumbing
     and that the option is harmless here; test_gpu_ab's combo test checks that it combines kernels."""
+    import contextlib
+
     import torch._inductor.config as inductor_config
 
-    from hf_accel import accelerate_model, engine_info
+    from hf_accel import engine_info
     from hf_accel.compilation import piecewise
-    from hf_accel.config import AccelConfig
 
     for on in (False, True):
         with inductor_config.patch(combo_kernels=not on), piecewise.inductor_settings(pdl=False, combo_kernels=on):
             assert inductor_config.combo_kernels is on
     assert inductor_config.combo_kernels is False
 
-    seen = []
+    in_force = []  # Inductor's setting while each piece compiles
     real = piecewise.inductor_settings
 
+    @contextlib.contextmanager
     def spy(*args, **kwargs):
-        ctx = real(*args, **kwargs)
-        seen.append(kwargs.get("combo_kernels", args[2] if len(args) > 2 else False))
-        return ctx
+        with real(*args, **kwargs):
+            in_force.append(inductor_config.combo_kernels)
+            yield
 
     monkeypatch.setattr(piecewise, "inductor_settings", spy)
-    model = make_model("qwen3", num_layers=2)
-    model.config._attn_implementation = "sdpa"
-    ids = torch.randint(10, 100, (3, 9))
-    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
-    accelerate_model(model, compile=True, num_kv_blocks=64,
-                     config=AccelConfig(compile_cache_dir="", combo_kernels=True))
-    assert model._hf_accel_state.engine.runner.piecewise is not None  # compiled, not the eager fallback
-    assert seen and all(seen)
+    model = compiled_qwen3_matching_stock(combo_kernels=True)
+    assert in_force and all(in_force)
     info = engine_info(model)
     assert info["config"]["combo_kernels"] is True and info["combo_kernels"] is False  # asked for; none on CPU
-    got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
-    assert torch.equal(got, want)
 
 
 def test_compile_with_one_sequence_per_step_falls_back_instead_of_failing():
