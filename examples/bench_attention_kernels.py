@@ -223,6 +223,19 @@ def set_query_heads(n: int) -> None:
     NUM_HEADS = n
 
 
+def parse_tile_configs(text: str) -> list:
+    """'16,32,4,2;16,64,2,2' -> TileConfigs (block_m, block_n, num_warps, num_stages)."""
+    from hf_accel.attention.kernels.common import TileConfig
+
+    configs = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        fields = [int(x) for x in item.split(",")]
+        if len(fields) != 4 or min(fields) < 1:
+            raise argparse.ArgumentTypeError(f"a tile is four positive integers, got {item!r}")
+        configs.append(TileConfig(*fields))
+    return configs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write all results to this path")
@@ -243,6 +256,9 @@ def main() -> int:
     ap.add_argument("--query-heads", type=int, default=NUM_HEADS,
                     help=f"query heads per token beside {NUM_KV_HEADS} KV heads (default {NUM_HEADS}, qwen3-0.6b; "
                          "32 for llama-3.1-8b's GQA groups of four)")
+    ap.add_argument("--decode-configs", type=parse_tile_configs, default=[],
+                    help="--decode-study: more unsplit tiles to time at batch 64, as block_m,block_n,num_warps,"
+                         "num_stages separated by ';' (e.g. '16,32,4,2;16,64,2,2')")
     args = ap.parse_args()
     if args.query_heads < 1 or args.query_heads % NUM_KV_HEADS:
         ap.error(f"--query-heads must be a positive multiple of {NUM_KV_HEADS}")
@@ -388,7 +404,7 @@ def decode_study(args: argparse.Namespace, gen: torch.Generator) -> int:
         + [(f"decode {s} split(s)", dict(force_splits=s)) for s in (1, 2, 4)]
         + [(f"decode unsplit {c}", dict(force_splits=1, decode_config=c))
            for c in (TileConfig(16, 32, 4, 4), TileConfig(16, 128, 4, 2), TileConfig(16, 64, 4, 2),
-                     TileConfig(16, 64, 8, 3), TileConfig(16, 64, 2, 3))],
+                     TileConfig(16, 64, 8, 3), TileConfig(16, 64, 2, 3), *args.decode_configs)],
     }
     rows = []
     for batch, ctxs in ((1, (128, 256, 384)), (64, (128, 256, 384))):
