@@ -9,7 +9,9 @@ boundary, which at batch 1 (hundreds of 2-5 us kernels per step) is a large shar
 is recorded in CUDA graphs, so replayed graphs keep the overlap.
 
 The rule every kernel of ours that is launched with PDL follows: `gdc_wait()` before its first load of an activation
-and before its first store; reads of weights (which no kernel of the step writes) may come earlier. Kernels launched
+and before its first store; reads of weights and of the step's metadata (sequence lengths, query offsets, block
+tables, slot mapping, launch order: written by host copies and fills queued before the step's first kernel, and by
+no kernel of the step) may come earlier. Kernels launched
 without the attribute (cuBLAS, torch's own) wait for full completion as before, so mixing is safe.
 
 `supported(device)` says whether PDL can run here (triton exposes it, the device is sm90+, not the interpreter).
@@ -36,6 +38,12 @@ if _GEMM_TRIGGER not in ("early", "late"):
     logging.getLogger(__name__).warning("hf_accel: HF_ACCEL_GEMM_TRIGGER=%r is neither 'early' nor 'late'; using "
                                         "'early'", _GEMM_TRIGGER)
 GEMM_EARLY_TRIGGER = _GEMM_TRIGGER != "late"
+
+
+# whether the decode attention kernel (attention/kernels/split_kv_decode.py) reads the step's metadata (which
+# sequence, its length, its query row) before its PDL wait, so those dependent loads overlap the kernel before it.
+# `HF_ACCEL_DECODE_EARLY_METADATA=0` puts them after the wait again (the form before session 34), the A/B switch
+DECODE_EARLY_METADATA = os.environ.get("HF_ACCEL_DECODE_EARLY_METADATA", "1").strip() != "0"
 
 
 def gemm_pdl_form() -> str:
