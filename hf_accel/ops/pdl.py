@@ -10,9 +10,11 @@ is recorded in CUDA graphs, so replayed graphs keep the overlap.
 
 The rule every kernel of ours that is launched with PDL follows: `gdc_wait()` before its first load of an activation
 and before its first store; reads of weights and of the step's metadata (sequence lengths, query offsets, block
-tables, slot mapping, launch order: written by host copies and fills queued before the step's first kernel, and by
-no kernel of the step) may come earlier. Kernels launched
-without the attribute (cuBLAS, torch's own) wait for full completion as before, so mixing is safe.
+tables, slot mapping, launch order) may come earlier. That metadata is written by host-to-device copies queued
+before the step's first kernel (and, for a graph's padded rows, fills followed by the graph's launch), never by a
+kernel of the step; a copy or a graph launch is a full dependency for whatever the stream runs after it, so every
+kernel of the step starts after those writes completed, whatever its predecessors do about their own PDL waits.
+Kernels launched without the attribute (cuBLAS, torch's own) wait for full completion as before, so mixing is safe.
 
 `supported(device)` says whether PDL can run here (triton exposes it, the device is sm90+, not the interpreter).
 Whether it is used is decided once per model (`AccelConfig(pdl=...)`, default on where supported) and handed to
