@@ -174,10 +174,11 @@ class AccelConfig:
     # Inductor's combo kernels (horizontal fusion) in the compiled pieces, on the GPU (Inductor combines no CPU
     # kernels): kernels of a piece that do not depend on each other go out as one launch, up to eight at a time,
     # e.g. Qwen3's q-norm + RoPE and k-norm + RoPE (one kernel fewer per layer); each element is computed as before.
-    # Off by default until the whole GPU suite has run with it: on one H100 lease (session 32, examples/results),
-    # qwen3-0.6b W2 31,668 against 30,998 tok/s (ranges apart), W1 1,024 against 998 (noisy runs), W3 24,336 against
-    # 24,412 (within noise); its greedy A/B tests passed
-    combo_kernels: bool = False
+    # On by default since session 35, when the compile-path GPU suite (test_gpu_ab, test_compilation,
+    # test_trace_cache, test_gpu_training) ran with it. On one H100 lease (session 32, examples/results): qwen3-0.6b
+    # W2 31,668 against 30,998 tok/s (ranges apart), W1 1,024 against 998 (noisy runs), W3 24,336 against 24,412
+    # (within noise). False: Inductor's separate launches (the A/B)
+    combo_kernels: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

@@ -223,7 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "faster (default: on); --no-gated-gemm keeps the linear and Inductor's activation kernel")
     a.add_argument("--combo-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="Inductor launches each compiled piece's independent GPU kernels together, up to eight per "
-                        "launch (default: off); --combo-kernels for the A/B")
+                        "launch (default: on); --no-combo-kernels for the A/B")
     a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="read the traced forward back from the compile cache (default: on); "
                         "--no-reuse-traced-graph traces every start")
