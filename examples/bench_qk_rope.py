@@ -64,10 +64,11 @@ def child(first: int, tokens: list[int]) -> dict:
     """One variant: compile the formula (dynamic token count), first call at `first` tokens, then time each count."""
 
     from hf_accel.compilation.piecewise import inductor_settings
+    from hf_accel.config import AccelConfig
 
     q_w = torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5
     k_w = torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5
-    with inductor_settings(pdl=True):
+    with inductor_settings(pdl=True, combo_kernels=AccelConfig().combo_kernels):  # as the engine compiles
         compiled = torch.compile(formula, dynamic=True, fullgraph=True)
         qkv, cos, sin = inputs(first)
         compiled(qkv, cos, sin, q_w, k_w)

@@ -649,7 +649,8 @@ def engine_info(model) -> dict[str, Any]:
         # the compiled pieces round as eager PyTorch does (a model that quantizes activations; patches/quantization)
         "eager_precision_casts": bool(eng.compile_info.get("eager_precision_casts")),
         # what was turned off at startup and why (e.g. a quantized module that a CUDA graph cannot capture)
-        "fallbacks": {**{k: eng.compile_info[k] for k in ("compile_error", "capture_error") if k in eng.compile_info},
+        "fallbacks": {**{k: eng.compile_info[k] for k in ("compile_error", "capture_error", "combo_kernels_error")
+                         if k in eng.compile_info},
                       **({"quantization": state.extra_info["quantization_fallback"]}
                          if state.extra_info.get("quantization_fallback") else {})},
         # a compressed-tensors checkpoint: its packed weights were decompressed (patches/quantization.py)

@@ -173,7 +173,8 @@ class AccelConfig:
     gated_gemm: bool = True
     # Inductor's combo kernels (horizontal fusion) in the compiled pieces, on the GPU (Inductor combines no CPU
     # kernels): kernels of a piece that do not depend on each other go out as one launch, up to eight at a time,
-    # e.g. Qwen3's q-norm + RoPE and k-norm + RoPE (one kernel fewer per layer); each element is computed as before.
+    # e.g. Qwen3's q-norm + RoPE and k-norm + RoPE (one kernel fewer per layer). The kernels of one launch share
+    # its launch configuration, so a reduction may round its last bits otherwise than on its own.
     # On by default since session 35, when the compile-path GPU suite (test_gpu_ab, test_compilation,
     # test_trace_cache, test_gpu_training) ran with it. On one H100 lease (session 32, examples/results): qwen3-0.6b
     # W2 31,668 against 30,998 tok/s (ranges apart), W1 1,024 against 998 (noisy runs), W3 24,336 against 24,412

@@ -525,11 +525,12 @@ def test_resolved_config_of_switches_and_piecewise_sizes_is_recorded():
     argv = _accel_argv(args)
     assert argv[argv.index("--piecewise-capture-sizes") + 1] == "8,1,64"
 
-    args = parser.parse_args(["--combo-kernels", "--no-gated-gemm"])
+    args = parser.parse_args(["--no-combo-kernels", "--no-gated-gemm"])  # both on by default: the A/B's off side
     cfg = resolved_accel_config(accel_kwargs(args), torch.device("cuda"))
-    assert cfg["combo_kernels"] is True and cfg["gated_gemm"] is False
+    assert cfg["combo_kernels"] is False and cfg["gated_gemm"] is False
     argv = _accel_argv(args)  # what a startup child is given
-    assert "--combo-kernels" in argv and "--no-gated-gemm" in argv
+    assert "--no-combo-kernels" in argv and "--no-gated-gemm" in argv
+    assert resolved_accel_config(accel_kwargs(parser.parse_args([])), torch.device("cuda"))["combo_kernels"] is True
 
 
 def test_startup_report_flags_rebuilds_and_a_missing_bytecode_cache() -> None:

@@ -1053,10 +1053,11 @@ def test_compiled_at_a_larger_example_step_matches_stock(monkeypatch):
 
 
 def test_combo_kernels_switch_reaches_inductor_and_matches_stock(monkeypatch):
-    """AccelConfig(combo_kernels=True) (the A/B switch of Inductor's horizontal fusion) is in force while the pieces
-    compile, and only then: explicitly off by default even where the process turned it on, and put back after. The
-    compiled model still gives stock's greedy tokens. Inductor combines no CPU kernels, so this checks the plumbing
-    and that the option is harmless here; test_gpu_ab's combo test checks that it combines kernels."""
+    """AccelConfig(combo_kernels) (Inductor's horizontal fusion: on by default, False for the A/B) is in force while
+    the pieces compile, and only then: `inductor_settings` sets it explicitly either way, whatever the process set,
+    and puts it back after. The compiled model still gives stock's greedy tokens. Inductor combines no CPU kernels,
+    so this checks the plumbing and that the option is harmless here; test_gpu_ab's combo test checks that it
+    combines kernels."""
     import contextlib
 
     import torch._inductor.config as inductor_config
@@ -1083,6 +1084,38 @@ def test_combo_kernels_switch_reaches_inductor_and_matches_stock(monkeypatch):
     assert in_force and all(in_force)
     info = engine_info(model)
     assert info["config"]["combo_kernels"] is True and info["combo_kernels"] is False  # asked for; none on CPU
+
+
+def test_piece_that_inductor_refuses_with_combo_kernels_compiles_without_them(monkeypatch, caplog):
+    """Inductor still raises for some pieces with combo kernels on (the default), e.g. a dynamic reduction dimension:
+    such a piece compiles again without them, from an untouched copy of its graph, instead of the whole forward
+    falling back to eager. Here every compile with them raises; every piece then compiles without them, the model
+    stays compiled with stock's greedy tokens, and engine_info names the fallback."""
+    import logging
+
+    import torch._inductor.compile_fx as compile_fx_mod
+    import torch._inductor.config as inductor_config
+
+    from hf_accel import engine_info
+
+    real = compile_fx_mod.compile_fx
+    calls = []
+
+    def refusing(gm, *args, **kwargs):
+        calls.append(inductor_config.combo_kernels)
+        if inductor_config.combo_kernels:
+            gm.graph.erase_node(next(iter(reversed(gm.graph.nodes))))  # what a half-done pass may leave behind
+            raise NotImplementedError("Dynamic shape on reduction dimension is not supported")
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_mod, "compile_fx", refusing)
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        model = compiled_qwen3_matching_stock()  # combo kernels on: the default
+    stats = model._hf_accel_state.engine.runner.piecewise.stats
+    assert stats.num_compiled > 0 and stats.combo_fallback_pieces == stats.num_compiled
+    assert calls == [True, False] * stats.num_compiled
+    assert "combo_kernels_error" in engine_info(model)["fallbacks"]
+    assert any("without them" in r.getMessage() for r in caplog.records)
 
 
 def test_compile_with_one_sequence_per_step_falls_back_instead_of_failing():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import hashlib
 import itertools
 import logging
@@ -72,6 +73,8 @@ class CompileStats:
     folded_norms: int = 0  # RMSNorms (with their residual adds) run inside the linear after them (norm_folding)
     # (n, k, bias) of each gate/up linear that runs with the SiLU-and-mul after it as one op (gated_activation)
     gated_linears: list[tuple[int, int, bool]] = field(default_factory=list)
+    # pieces whose compile with Inductor's combo kernels raised and that compiled again without them
+    combo_fallback_pieces: int = 0
     trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend), or reading the stored trace
     # where the traced graph came from: "dynamo", "stored" (compilation/trace_cache.py) or "" before compile()
     trace_source: str = ""
@@ -732,9 +735,21 @@ class PiecewiseForward:
         from torch._inductor.compile_fx import compile_fx
 
         ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-        with ctx, torch.no_grad(), inductor_settings(self.pdl, self.eager_casts, self.combo_kernels):
-            fn = compile_fx(submod, args)
-        return fn  # positional arguments (its `_boxed_call` attribute is copied from an inner function)
+        # combo kernels are on by default, and Inductor still refuses some pieces with them (e.g. a dynamic
+        # reduction dimension): such a piece compiles again without them, on an untouched copy of its graph, rather
+        # than the whole forward falling back to eager (or a tensor-parallel job ending)
+        pristine = torch.fx.GraphModule(submod, copy.deepcopy(submod.graph)) if self.combo_kernels else None
+        try:
+            with ctx, torch.no_grad(), inductor_settings(self.pdl, self.eager_casts, self.combo_kernels):
+                return compile_fx(submod, args)  # positional arguments (`_boxed_call` copied from an inner function)
+        except Exception as exc:
+            if pristine is None:
+                raise
+            self.stats.combo_fallback_pieces += 1
+            logger.warning("hf_accel: Inductor could not compile a piece with combo kernels (%s: %s); compiling it "
+                           "without them", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        with ctx, torch.no_grad(), inductor_settings(self.pdl, self.eager_casts, combo_kernels=False):
+            return compile_fx(pristine, args)
 
     # ------------------------------------------------------------------ Dynamo bypass
     def _prepare_binding(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
