@@ -570,11 +570,14 @@ class ModelRunner:
                                                       backend_name=self.backend.name)
                 info["cudagraph_mode"] = self.dispatcher.mode.value
             info["compile_s"] = time.perf_counter() - t0
-            # whether Inductor could combine kernels: asked for, compiled, and on the GPU (it combines no CPU ones)
-            info["combo_kernels"] = bool(combo_kernels and self.piecewise is not None and on_cuda)
-            if self.piecewise is not None and self.piecewise.stats.combo_fallback_pieces:
-                info["combo_kernels_error"] = (f"{self.piecewise.stats.combo_fallback_pieces} compiled piece(s) "
-                                               "compiled without combo kernels after Inductor raised with them")
+            # whether Inductor could combine kernels: asked for, on the GPU (it combines no CPU ones), and at least
+            # one compiled piece kept them (a piece Inductor refused with them compiled without: piecewise)
+            stats = self.piecewise.stats if self.piecewise is not None else None
+            info["combo_kernels"] = bool(combo_kernels and on_cuda and stats is not None
+                                         and stats.combo_fallback_pieces < stats.num_compiled)
+            if stats is not None and stats.combo_fallback_pieces:
+                info["combo_kernels_error"] = (f"{stats.combo_fallback_pieces} compiled piece(s) compiled without "
+                                               "combo kernels after Inductor raised with them")
             if self.piecewise is not None:  # where the compile time goes: Dynamo tracing vs split + Inductor
                 info["trace_s"] = self.piecewise.stats.trace_seconds
                 info["trace_source"] = self.piecewise.stats.trace_source
