@@ -845,12 +845,11 @@ def test_gpu_cuda_graph_replay_decode_longest_first():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("splits", [1, 4])
-def test_gpu_pdl_decode_chain_in_a_graph(monkeypatch, splits):
+def test_gpu_pdl_decode_chain_in_a_graph(splits):
     """Twelve decode layers captured in one CUDA graph with PDL, each layer's query the previous layer's output (an
     attention-to-attention PDL edge; every third layer a torch op between), all writing their new K/V into one
-    cache: with the step's metadata read before the PDL wait (the default) and after it
-    (`HF_ACCEL_DECODE_EARLY_METADATA=0`), the replays give the bits of the same chain run eagerly without PDL, and
-    the fused merge's counters are zeros after every replay."""
+    cache (the step's metadata read before the PDL wait): the replays give the bits of the same chain run eagerly
+    without PDL, and the fused merge's counters are zeros after every replay."""
     from hf_accel.ops import pdl
 
     if not pdl.supported(DEVICE):
@@ -875,25 +874,23 @@ def test_gpu_pdl_decode_chain_in_a_graph(monkeypatch, splits):
     want = chain(kc_ref, vc_ref).clone()
     assert not want[:60].isnan().any()
     be.use_pdl = True
-    for early in (True, False):
-        monkeypatch.setattr(be._split, "DECODE_EARLY_METADATA", early)
-        kc, vc = step.k_cache.clone(), step.v_cache.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain(kc, vc)  # compiles outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = chain(kc, vc)
-        for _ in range(3):
-            kc.copy_(step.k_cache)
-            vc.copy_(step.v_cache)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(got, want), f"early metadata {early}: the PDL chain changed the output"
-            assert torch.equal(kc.nan_to_num(7.0), kc_ref.nan_to_num(7.0))
-            assert not be._merge_counters.any()
+    kc, vc = step.k_cache.clone(), step.v_cache.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(kc, vc)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(kc, vc)
+    for _ in range(3):
+        kc.copy_(step.k_cache)
+        vc.copy_(step.v_cache)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), "the PDL chain changed the output"
+        assert torch.equal(kc.nan_to_num(7.0), kc_ref.nan_to_num(7.0))
+        assert not be._merge_counters.any()
 
 
 @pytest.mark.gpu

@@ -42,12 +42,6 @@ if _GEMM_TRIGGER not in ("early", "late"):
 GEMM_EARLY_TRIGGER = _GEMM_TRIGGER != "late"
 
 
-# whether the decode attention kernel (attention/kernels/split_kv_decode.py) reads the step's metadata (which
-# sequence, its length, its query row) before its PDL wait, so those dependent loads overlap the kernel before it.
-# `HF_ACCEL_DECODE_EARLY_METADATA=0` puts them after the wait again (the form before session 34), the A/B switch
-DECODE_EARLY_METADATA = os.environ.get("HF_ACCEL_DECODE_EARLY_METADATA", "1").strip() != "0"
-
-
 def gemm_pdl_form() -> str:
     """The GEMM PDL trigger as a short tag (the tuner's stored key)."""
     return "early" if GEMM_EARLY_TRIGGER else "late"
