@@ -644,6 +644,9 @@ def engine_info(model) -> dict[str, Any]:
         "gated_linears": (len(eng.runner.piecewise.stats.gated_linears)
                           if getattr(eng.runner, "piecewise", None) is not None else 0),
         "gated_gemm": eng.compile_info.get("gated_gemm"),
+        # folded norms whose residual add's linear joined their op (AccelConfig.chain_residual_norms)
+        "chained_norms": (eng.runner.piecewise.stats.chained_norms
+                          if getattr(eng.runner, "piecewise", None) is not None else 0),
         # Inductor's combo kernels were in force for the compiled pieces (AccelConfig.combo_kernels, compiled, GPU)
         "combo_kernels": bool(eng.compile_info.get("combo_kernels")),
         # the compiled pieces round as eager PyTorch does (a model that quantizes activations; patches/quantization)

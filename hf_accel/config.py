@@ -180,6 +180,12 @@ class AccelConfig:
     # W2 31,668 against 30,998 tok/s (ranges apart), W1 1,024 against 998 (noisy runs), W3 24,336 against 24,412
     # (within noise). False: Inductor's separate launches (the A/B)
     combo_kernels: bool = True
+    # with fold_norms: the linear whose output a folded norm's residual add takes (o_proj, down_proj) joins that op
+    # (ops/residual_chain.py). At 2-64 rows, where both linears' tuned decisions are tensor-core tiles of the small-M
+    # GEMM, the first GEMM's epilogue adds the residual and stores each column tile's sums of squares, and the second
+    # normalizes its input from them: the add + norm kernel between them is gone (two per layer). Rounds as the stock
+    # modules do, up to the order of the float32 sum of squares. False: the add and norm kernel, as before (the A/B)
+    chain_residual_norms: bool = True
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process
     # builds them meanwhile, and a later start times it (attention/prebuild.py). Also: HF_ACCEL_BACKGROUND_BUILDS=0

@@ -122,7 +122,7 @@ def accel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 # AccelConfig switches with a --flag / --no-flag option of the same name
 _SWITCHES = ("pdl", "small_m_gemm", "fused_split_reductions", "decode_attention_kernel", "decode_longest_first",
              "split_mixed_attention", "reuse_traced_graph", "graph_greedy_argmax", "fold_norms", "gated_gemm",
-             "combo_kernels")
+             "combo_kernels", "chain_residual_norms")
 
 
 def _accel_argv(args: argparse.Namespace) -> list[str]:

@@ -176,3 +176,46 @@ def fold_norms_into_linears(gm: torch.fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return folded
+
+
+def chain_residual_norms(gm: torch.fx.GraphModule) -> int:
+    """Give each folded norm's op whose residual add takes a routed linear's output that linear too: the pair becomes
+    `hf_accel::linear_add_rms_norm_linear` (`ops.residual_chain`: the add and the norm's sums of squares in the first
+    GEMM's epilogue, the normalization in the second's K loop). Runs after `fold_norms_into_linears` and the gated
+    pass; returns how many pairs were chained."""
+    import hf_accel.ops.residual_chain  # noqa: F401  (registers the op)
+
+    plain = torch.ops.hf_accel.add_rms_norm_linear.default
+    gated = torch.ops.hf_accel.add_rms_norm_silu_mul_linear.default
+    chained = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (plain, gated):
+            continue
+        if node.target is plain:
+            a, b, g, eps, w2, bias2, use_pdl = node.args
+        else:
+            (a, b, g, eps, w2, use_pdl), bias2 = node.args, None
+        for first, residual in ((a, b), (b, a)):  # the add commutes (IEEE addition does)
+            if not (isinstance(first, torch.fx.Node) and first.op == "call_function"
+                    and first.target is torch.ops.hf_accel.linear.default and _single_user(first)):
+                continue
+            x1, w1, bias1, _ = first.args
+            if not static_weight(w1):
+                continue
+            # the linear runs at the op's place: nothing in between may write what it reads
+            if any(may_mutate(n) for n in _nodes_between(first, node)):
+                continue
+            with gm.graph.inserting_before(node):
+                fused = gm.graph.call_function(torch.ops.hf_accel.linear_add_rms_norm_linear.default,
+                                               (x1, w1, bias1, residual, g, eps, w2, bias2, node.target is gated,
+                                                use_pdl))
+            fused.meta.update(node.meta)
+            node.replace_all_uses_with(fused)
+            gm.graph.erase_node(node)
+            gm.graph.erase_node(first)
+            chained += 1
+            break
+    if chained:
+        gm.graph.lint()
+        gm.recompile()
+    return chained

@@ -49,7 +49,7 @@ import hf_accel.attention.op  # noqa: F401  (registers torch.ops.hf_accel.attent
 from hf_accel.compilation.cuda_graph import CaptureMemory, capture_graph, capture_with_warmups, weak_ref_tree
 from hf_accel.compilation.gated_activation import fuse_silu_mul_into_linears
 from hf_accel.compilation.linear_packing import merge_packed_linears
-from hf_accel.compilation.norm_folding import fold_norms_into_linears
+from hf_accel.compilation.norm_folding import chain_residual_norms, fold_norms_into_linears
 from hf_accel.compilation.small_m_linear import route_int8_weight_only_linears, route_small_m_linears
 from hf_accel.compilation.trace_cache import TraceCache
 
@@ -73,6 +73,8 @@ class CompileStats:
     folded_norms: int = 0  # RMSNorms (with their residual adds) run inside the linear after them (norm_folding)
     # (n, k, bias) of each gate/up linear that runs with the SiLU-and-mul after it as one op (gated_activation)
     gated_linears: list[tuple[int, int, bool]] = field(default_factory=list)
+    # folded norms whose residual add's linear joined their op (norm_folding.chain_residual_norms)
+    chained_norms: int = 0
     # pieces whose compile with Inductor's combo kernels raised and that compiled again without them
     combo_fallback_pieces: int = 0
     trace_seconds: float = 0.0  # Dynamo trace (first call, up to the backend), or reading the stored trace
@@ -396,11 +398,13 @@ class PiecewiseForward:
                  other_dynamic_dims: Sequence[tuple[int, int]] = ((2, 0),),
                  bypass_dynamo: bool = True, merge_linears: bool = True, route_linears: bool = False,
                  pdl: bool = False, eager_casts: bool = False, trace_cache: TraceCache | None = None,
-                 fold_norms: bool = False, gated_gemm: bool = False, combo_kernels: bool = False) -> None:
+                 fold_norms: bool = False, gated_gemm: bool = False, combo_kernels: bool = False,
+                 chain_residual_norms: bool = False) -> None:
         """`route_linears`: linears go through `hf_accel::linear` (small-M GEMM where tuned; compile pass
         `small_m_linear`). `fold_norms` (with `route_linears`): RMSNorms feeding one routed linear go into it
         (compile pass `norm_folding`). `gated_gemm` (with `route_linears`): a gate/up linear and the SiLU-and-mul
-        after it become one op (compile pass `gated_activation`).
+        after it become one op (compile pass `gated_activation`). `chain_residual_norms` (with `fold_norms`): the
+        linear whose output a folded norm's residual add takes joins that op (`norm_folding.chain_residual_norms`).
         `pdl`: Inductor's kernels are generated with programmatic dependent launch
         (sm90+). `combo_kernels`: Inductor launches a piece's independent GPU kernels together (`inductor_settings`).
         `eager_casts`: Inductor rounds intermediates as eager does (`inductor_settings`). `trace_cache`: where the
@@ -421,6 +425,7 @@ class PiecewiseForward:
         self.route_linears = route_linears
         self.fold_norms = fold_norms
         self.gated_gemm = gated_gemm
+        self.chain_residual_norms = chain_residual_norms
         self.combo_kernels = combo_kernels
         self.pdl = pdl
         self.eager_casts = eager_casts
@@ -588,6 +593,8 @@ class PiecewiseForward:
                 self.stats.folded_norms = fold_norms_into_linears(gm)
             if self.gated_gemm:
                 self.stats.gated_linears = fuse_silu_mul_into_linears(gm)
+            if self.fold_norms and self.chain_residual_norms:
+                self.stats.chained_norms = chain_residual_norms(gm)
         self.stats.int8_weight_linears = route_int8_weight_only_linears(gm, self.pdl)
         split_gm = self._build(gm, example_inputs)
         self.stats.compile_seconds = time.perf_counter() - t0

@@ -195,7 +195,8 @@ class LLMEngine:
                     cfg.cudagraph_mode, list(cfg.cudagraph_capture_sizes or []), bool(cfg.compile),
                     cfg.compile_cache_dir, model.config, spec.dtype, pdl=self.use_pdl,
                     small_m_gemm=cfg.small_m_gemm, fold_norms=cfg.fold_norms, gated_gemm=cfg.gated_gemm,
-                    combo_kernels=cfg.combo_kernels, progress=progress, tp=self.tp,
+                    combo_kernels=cfg.combo_kernels, chain_residual_norms=cfg.chain_residual_norms,
+                    progress=progress, tp=self.tp,
                     reuse_traced_graph=cfg.reuse_traced_graph, mixed_capture_sizes=mixed_sizes)
             except BaseException:
                 self.kv_caches.clear()  # give the cache's memory back even while the traceback lives on

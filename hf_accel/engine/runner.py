@@ -475,14 +475,16 @@ class ModelRunner:
     def enable_compilation(self, mode, capture_sizes: list[int], compile: bool, cache_dir: str | None,
                            model_config, dtype: torch.dtype, *, pdl: bool = False,
                            small_m_gemm: bool = False, fold_norms: bool = False, gated_gemm: bool = False,
-                           combo_kernels: bool = False, progress=None, tp=None,
+                           combo_kernels: bool = False, chain_residual_norms: bool = False, progress=None, tp=None,
                            reuse_traced_graph: bool = False, mixed_capture_sizes: list[int] | None = None) -> dict:
         """Compile (piecewise, cut at attention) and capture CUDA graphs, all before serving. Returns timings.
 
         `pdl`: Inductor's kernels use programmatic dependent launch. `small_m_gemm`: linears go through
         `hf_accel::linear`, tuned here (after compiling, before capturing) per weight shape and M bucket;
         `fold_norms`: the RMSNorms before them go into them (compilation/norm_folding.py). `gated_gemm`: a gate/up
-        linear and its SiLU-and-mul are one op, tuned here too (compilation/gated_activation.py). `combo_kernels`:
+        linear and its SiLU-and-mul are one op, tuned here too (compilation/gated_activation.py).
+        `chain_residual_norms`: the linear before a folded norm's residual add joins its op (ops/residual_chain.py).
+        `combo_kernels`:
         Inductor launches each piece's independent GPU kernels together (compilation/piecewise.inductor_settings).
         `progress`: a `hf_accel.progress.StartupProgress` told when each phase starts. `tp`: the tensor-parallel
         group (engine/tensor_parallel.py); a compile failure on one of its ranks ends the job instead of falling
@@ -541,7 +543,8 @@ class ModelRunner:
                                                graph_pool=pool, route_linears=small_m_gemm and on_cuda, pdl=pdl,
                                                eager_casts=eager_casts, trace_cache=trace_cache,
                                                fold_norms=fold_norms, gated_gemm=gated_gemm,
-                                               combo_kernels=combo_kernels)
+                                               combo_kernels=combo_kernels,
+                                               chain_residual_norms=chain_residual_norms)
             query_lens = self.compile_example_lens(example)
             meta = self.upload(self.dummy_inputs(query_lens))
             self.backend.prepare(meta)

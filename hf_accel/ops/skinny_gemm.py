@@ -65,13 +65,20 @@ class SkinnyConfig:
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, counters_ptr, M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_ym,
+    r_ptr, ss_out_ptr, g_ptr, ss_in_ptr, n_ss_tiles, inv_k, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
     FUSED_SPLITS: tl.constexpr, EARLY_TRIGGER: tl.constexpr, GATED: tl.constexpr,
+    RESIDUAL: tl.constexpr, NORM: tl.constexpr, SS_TILES: tl.constexpr,
 ):
     """FUSED_SPLITS: 0 = no fused reduction (one split, or the reduce kernel follows), else the split count.
     EARLY_TRIGGER: let the successor launch right after the wait instead of after the K loop.
-    GATED: W has 2N rows, gate then up; the output is `silu(x @ W[:N]^T) * (x @ W[N:]^T)` (`_store_output`)."""
+    GATED: W has 2N rows, gate then up; the output is `silu(x @ W[:N]^T) * (x @ W[N:]^T)` (`_store_output`).
+    RESIDUAL: the output is `h = y + r` (the residual add after the linear), and each column tile also stores its
+    rows' float32 sums of squares of h to `ss_out[pid_n, :M]` (`linear_add_residual`).
+    NORM: the input is `h` of such a launch, normalized here: `rstd` of each row from the `n_ss_tiles` partial sums
+    at `ss_in` (summed in a fixed order), then each K tile of x becomes `g * (h * rstd).to(dtype)` rounded to the
+    dtype, LlamaRMSNorm's rounding (`norm_partials_linear`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,14 +96,24 @@ def _skinny_gemm_kernel(
         tl.extra.cuda.gdc_wait()
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        offs_t = tl.arange(0, SS_TILES)
+        ss = tl.load(ss_in_ptr + offs_t[:, None] * M + offs_m[None, :],
+                     mask=(offs_t[:, None] < n_ss_tiles) & m_ok[None, :], other=0.0)
+        rstd = tl.math.rsqrt(tl.sum(ss, axis=0) * inv_k + eps)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
             w_mask = n_ok[:, None]
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            if NORM:
+                x = _normalize_tile(x, rstd, tl.load(g_ptr + k0 + k + offs_k))
         else:
             k_ok = (k0 + k + offs_k) < tl.minimum(K, k0 + K_PER_SPLIT)
             w_mask = n_ok[:, None] & k_ok[None, :]
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:
+                x = _normalize_tile(x, rstd, tl.load(g_ptr + k0 + k + offs_k, mask=k_ok, other=0.0))
         w = tl.load(w_ptrs, mask=w_mask, other=0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # int8 weights widen in registers; a no-op for bf16 / fp16
         if GATED:
@@ -111,8 +128,18 @@ def _skinny_gemm_kernel(
     # split 0's partial of this tile; a gated launch keeps gate and up partials side by side (rows of 2N)
     part_row = 2 * N if GATED else N
     part0_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * part_row + offs_n[None, :]
+    r_ptrs = r_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]  # RESIDUAL: r has y's layout
     _finish(acc, acc_u, y_ptrs, part0_ptrs, M * part_row, N, pid_k, counters_ptr + pid_n, b_ptr, s_ptr, offs_n,
-            n_ok, mask, IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS, GATED)
+            n_ok, mask, r_ptrs, ss_out_ptr + pid_n * M + offs_m, m_ok, IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS,
+            GATED, RESIDUAL)
+
+
+@triton.jit
+def _normalize_tile(x, rstd, g):
+    """`g * (h * rstd).to(dtype)` rounded to the dtype, for a `[rows, K tile]` tile `x` of h (LlamaRMSNorm)."""
+    dtype = x.dtype
+    y = (x.to(tl.float32) * rstd[:, None]).to(dtype)
+    return (g.to(tl.float32)[None, :] * y.to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -180,7 +207,8 @@ def _gemv_kernel(
     row_u = tl.reshape(tl.sum(acc_u, axis=1), [1, BLOCK_N])
     part_row = 2 * N if GATED else N
     _finish(row, row_u, y_ptr + offs_n[None, :], part_ptr + offs_n[None, :], part_row, N, pid_k, counters_ptr + pid_n,
-            b_ptr, s_ptr, offs_n, n_ok, n_ok[None, :], IS_SPLIT, HAS_BIAS, HAS_SCALE, FUSED_SPLITS, GATED)
+            b_ptr, s_ptr, offs_n, n_ok, n_ok[None, :], y_ptr, y_ptr, n_ok, IS_SPLIT, HAS_BIAS, HAS_SCALE,
+            FUSED_SPLITS, GATED, False)
 
 
 @triton.jit
@@ -228,13 +256,15 @@ def _gemv_tile(ptrs, row_ok, k_offs, k_end, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _finish(acc, acc_u, y_ptrs, part0_ptrs, split_stride, up_offset, pid_k, counter, b_ptr, s_ptr, offs_n, n_ok,
-            mask, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-            FUSED_SPLITS: tl.constexpr, GATED: tl.constexpr):
+            mask, r_ptrs, ss_ptrs, rows_ok, IS_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+            FUSED_SPLITS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
     """After the K loop of either kernel: the output tile (one split), or this split's float32 partial at
     `part0_ptrs + pid_k * split_stride` (GATED: the up partial `up_offset` columns after it) and, with
-    FUSED_SPLITS, the reduction by the split that takes the last ticket from this column tile's `counter`."""
+    FUSED_SPLITS, the reduction by the split that takes the last ticket from this column tile's `counter`.
+    `r_ptrs`, `ss_ptrs`, `rows_ok`: the residual tile, its rows' sums of squares, for RESIDUAL (`_store_output`)."""
     if not IS_SPLIT:
-        _store_output(acc, acc_u, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS, HAS_SCALE, GATED)
+        _store_output(acc, acc_u, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, r_ptrs, ss_ptrs, rows_ok, HAS_BIAS,
+                      HAS_SCALE, GATED, RESIDUAL)
     else:
         split_stride = pid_k.to(tl.int64) * 0 + split_stride  # int64, even where triton made it a constant (M=N=1)
         tl.store(part0_ptrs + pid_k * split_stride, acc, mask=mask)
@@ -254,16 +284,20 @@ def _finish(acc, acc_u, y_ptrs, part0_ptrs, split_stride, up_offset, pid_k, coun
                     if GATED:
                         total_u += tl.load(part0_ptrs + s * split_stride + up_offset, mask=mask, other=0.0,
                                            cache_modifier=".cg")
-                _store_output(total, total_u, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS, HAS_SCALE, GATED)
+                _store_output(total, total_u, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, r_ptrs, ss_ptrs, rows_ok,
+                              HAS_BIAS, HAS_SCALE, GATED, RESIDUAL)
 
 
 @triton.jit
-def _store_output(acc, acc_u, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS: tl.constexpr,
-                  HAS_SCALE: tl.constexpr, GATED: tl.constexpr):
+def _store_output(acc, acc_u, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, r_ptrs, ss_ptrs, rows_ok,
+                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
     """The epilogue of every path (GEMM, fused split-K, reduce kernel): an int8 weight's per-output-row scale, then
     the bias, then the cast to the output dtype. GATED (no scale, no bias): `silu(gate) * up` from the gate and up
     sums, rounded where the stock MLP rounds: each product to the output dtype (as the GEMM's output is), SiLU in
-    float32 rounded to it (nn.SiLU), then one float32 product rounded once (`fused_kernels.silu_and_mul`)."""
+    float32 rounded to it (nn.SiLU), then one float32 product rounded once (`fused_kernels.silu_and_mul`).
+    RESIDUAL (not GATED): the tile stored is `h = out + r`, rounded to the dtype (a tensor add after the linear's
+    rounded output), read from `r_ptrs`, and each row's float32 sum of squares of the tile's h goes to `ss_ptrs`
+    (rows in `rows_ok`)."""
     dtype = y_ptrs.dtype.element_ty
     if GATED:
         g = acc.to(dtype).to(tl.float32)
@@ -274,7 +308,14 @@ def _store_output(acc, acc_u, y_ptrs, b_ptr, s_ptr, offs_n, n_ok, mask, HAS_BIAS
             acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptrs, acc.to(dtype), mask=mask)
+    if RESIDUAL:
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(y_ptrs, h, mask=mask)
+        hf = tl.where(mask, h.to(tl.float32), 0.0)
+        tl.store(ss_ptrs, tl.sum(hf * hf, axis=1), mask=rows_ok)
+    else:
+        tl.store(y_ptrs, acc.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -297,7 +338,7 @@ def _split_reduce_kernel(part_ptr, b_ptr, s_ptr, y_ptr, M, N, stride_ym, SPLIT_K
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     _store_output(acc, acc_u, y_ptr + row.to(tl.int64) * stride_ym + offs[None, :], b_ptr, s_ptr, offs, ok,
-                  ok[None, :], HAS_BIAS, HAS_SCALE, GATED)
+                  ok[None, :], y_ptr, y_ptr, ok, HAS_BIAS, HAS_SCALE, GATED, False)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
@@ -386,6 +427,82 @@ def norm_linear_fused(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     return out, (h.view(x.shape) if h is not None else None)
 
 
+@dataclass
+class ChainArgs:
+    """The GEMM kernel's part in a linear -> residual add -> RMSNorm -> linear chain (`ops.norm_linear`).
+    The first linear: `residual` (added to its output, which becomes h) and `ss_out` (float32 `[column tiles, M]`: each
+    column tile's sums of squares of its h rows). The second: `ss_in` (the first's `ss_out`, `ss_tiles` rows),
+    `norm_weight` and `eps` of the norm its input goes through. Pointer fields may be dtypes when building ahead."""
+
+    residual: torch.Tensor | torch.dtype | None = None
+    ss_out: torch.Tensor | torch.dtype | None = None
+    ss_in: torch.Tensor | torch.dtype | None = None
+    ss_tiles: int = 1
+    norm_weight: torch.Tensor | torch.dtype | None = None
+    eps: float = 0.0
+
+
+def _chain_config_ok(config: SkinnyConfig, m: int, split: int, counters: torch.Tensor | None, n: int) -> bool:
+    return (not config.gemv and 0 < m <= config.block_m
+            and (split == 1 or (counters is not None and counters.numel() >= triton.cdiv(n, config.block_n))))
+
+
+def linear_add_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                        config: SkinnyConfig, use_pdl: bool = False,
+                        counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(h, ss)`: `h = F.linear(x, weight, bias) + residual`, each rounded as the two torch ops round, in one launch of
+    the GEMM kernel, with `ss` (float32 `[column tiles, rows]`) each column tile's sums of squares of its rows of h,
+    for `norm_partials_linear` to normalize h without a pass of its own. Needs a tensor-core config
+    (`can_chain`); split-K needs `counters` (the reduction in the same launch)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    k_per_split, split = _split(k, config)
+    assert _chain_config_ok(config, m, split, counters, n), "linear_add_residual: not a chainable launch"
+    assert residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype and weight.shape[1] == k
+    r2 = residual.reshape(m, n).contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    h = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(n, config.block_n)
+    ss = torch.empty((tiles, m), dtype=torch.float32, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else h
+    _launch(x2, weight, bias, None, h, part, counters, m, n, k, k_per_split, split,
+            (x2.stride(0), weight.stride(0), h.stride(0)), config, use_pdl, warmup=False,
+            chain=ChainArgs(residual=r2, ss_out=ss))
+    return h.view(*x.shape[:-1], n), ss
+
+
+def norm_partials_linear(h: torch.Tensor, ss: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig, use_pdl: bool = False,
+                         counters: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """`F.linear(llama_rms_norm(h), weight, bias)` (`gated`: `silu(gate) * up` of it, as `skinny_linear`'s) in one
+    launch of the GEMM kernel, the norm's sums of squares taken from `ss` (`linear_add_residual`'s) and summed in a
+    fixed order: each K tile of h is normalized as the stock module rounds it before it enters the product."""
+    k = h.shape[-1]
+    n = _out_columns(weight, bias, None, gated)
+    h2 = h.reshape(-1, k)
+    m = h2.shape[0]
+    assert h2.stride(-1) == 1 and h2.stride(0) == k, "norm_partials_linear: h must be contiguous rows"
+    assert ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == m and ss.is_contiguous()
+    assert norm_weight.shape == (k,) and norm_weight.dtype == h.dtype and weight.shape[1] == k
+    k_per_split, split = _split(k, config)
+    assert not config.gemv and 0 < m <= config.block_m, "norm_partials_linear: a tensor-core config for these rows"
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    y = torch.empty((m, n), dtype=h.dtype, device=h.device)
+    part = torch.empty((split, m, 2 * n if gated else n), dtype=torch.float32, device=h.device) if split > 1 else y
+    if counters is not None and counters.numel() < triton.cdiv(n, config.block_n):
+        counters = None
+    _launch(h2, weight, bias, None, y, part, counters, m, n, k, k_per_split, split, (k, weight.stride(0), n), config,
+            use_pdl, warmup=False, gated=gated,
+            chain=ChainArgs(ss_in=ss, ss_tiles=ss.shape[0], norm_weight=norm_weight.contiguous(), eps=eps))
+    return y.view(*h.shape[:-1], n)
+
+
 def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype: torch.dtype, has_bias: bool,
                         has_scale: bool, config: SkinnyConfig, use_pdl: bool = False,
                         fused_splits: bool = True, gated: bool = False) -> list:
@@ -409,12 +526,13 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
 
 def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k_per_split: int, split: int,
             strides: tuple[int, int, int], config: SkinnyConfig, use_pdl: bool, warmup: bool,
-            norm: NormArgs | None = None, gated: bool = False) -> list:
+            norm: NormArgs | None = None, gated: bool = False, chain: ChainArgs | None = None) -> list:
     """Launch (or, with `warmup`, only compile) the GEMM and, when K is split and no `counters` are given, the
     reduction; one code path for both, so what is built ahead is what runs. The pointer arguments are tensors, or
     dtypes when `warmup` (an absent bias, scale or counters is None). `norm`: the one-row kernel normalizes its
     input first (`norm_linear_fused`). `gated`: `n` is the output's columns, half the weight's rows (gate, then
-    up), and the epilogue applies the SiLU gate. Returns what each launch returned."""
+    up), and the epilogue applies the SiLU gate. `chain`: the GEMM kernel's residual epilogue or its normalizing
+    prologue (`linear_add_residual`, `norm_partials_linear`). Returns what each launch returned."""
     has_bias, has_scale = bias is not None, scale is not None
     fused = split > 1 and counters is not None
     in_gemm = split == 1 or fused  # the GEMM kernel itself writes the output (bias and scale there)
@@ -445,9 +563,15 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
                       **common)]
     else:
         assert norm is None, "only the one-row kernel normalizes its input"
-        gemm = launcher(_skinny_gemm_kernel, grid, warmup, writes=(y,))
-        built = [gemm(*pointers, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym, BLOCK_M=config.block_m,
-                      **common)]
+        c = chain if chain is not None else ChainArgs()
+        assert c.residual is None or in_gemm, "the residual epilogue runs in the GEMM kernel: one split or counters"
+        chain_pointers = (*(p if p is not None else weight for p in (c.residual, c.ss_out, c.norm_weight, c.ss_in)),
+                          c.ss_tiles, 1.0 / k, float(c.eps))
+        writes = (y, c.ss_out) if c.ss_out is not None else (y,)
+        gemm = launcher(_skinny_gemm_kernel, grid, warmup, writes=writes)
+        built = [gemm(*pointers, m, n, k, k_per_split, stride_xm, stride_wn, stride_ym, *chain_pointers,
+                      BLOCK_M=config.block_m, RESIDUAL=c.residual is not None, NORM=c.ss_in is not None,
+                      SS_TILES=triton.next_power_of_2(max(c.ss_tiles, 1)), **common)]
     if split > 1 and not fused:
         block = min(1024, triton.next_power_of_2(n))
         grid = (triton.cdiv(n, block), m)

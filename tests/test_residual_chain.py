@@ -1,0 +1,279 @@
+"""The residual chain (ops.residual_chain): a linear, the residual add, the RMSNorm and the next linear as two GEMM
+launches, the first adding the residual and summing squares in its epilogue, the second normalizing its input.
+
+On CPU the kernels run in the Triton interpreter (fp16 / fp32), the op takes its unchained path (torch's ops, the
+stock rounding) and the compile pass runs on Dynamo-traced tiny models. On a GPU the same kernel tests run compiled,
+and the `gpu`-marked ones add bf16 at qwen3-0.6b's decode shapes, the op's choice of the chained launches, and PDL
+inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_mode import DEVICE, ON_GPU, load_kernel_modules
+
+triton = pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import hf_accel.ops.residual_chain as chain_op  # noqa: E402
+from hf_accel.compilation.gated_activation import fuse_silu_mul_into_linears  # noqa: E402
+from hf_accel.compilation.linear_packing import merge_packed_linears, pack_sibling_linears  # noqa: E402
+from hf_accel.compilation.norm_folding import chain_residual_norms, fold_norms_into_linears  # noqa: E402
+from hf_accel.compilation.small_m_linear import route_small_m_linears  # noqa: E402
+from hf_accel.ops import pdl  # noqa: E402
+from hf_accel.ops.linear import m_bucket  # noqa: E402
+
+(G,) = load_kernel_modules(["hf_accel.ops.skinny_gemm"], "_skinny_gemm_kernel")
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (compiled Triton kernels)")
+EPS = 1e-6
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+
+
+def rnd(*shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+def stock_norm_formula(h: torch.Tensor, g: torch.Tensor, rstd: torch.Tensor | None = None) -> torch.Tensor:
+    """LlamaRMSNorm's forward, optionally with the row scale given (to compare bits independent of the sum order)."""
+    h32 = h.float()
+    if rstd is None:
+        rstd = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + EPS)
+    return g * (h32 * rstd).to(h.dtype)
+
+
+def silu_mul(both: torch.Tensor, inter: int, dtype) -> torch.Tensor:
+    """The gated epilogue's formula on float32 sums: each half rounded, SiLU rounded, one rounded product."""
+    gate, up = both[..., :inter].to(dtype).float(), both[..., inter:].to(dtype).float()
+    return (F.silu(gate).to(dtype).float() * up).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------------ the kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n1", "k1", "n2", "block_n1", "split1", "split2", "bias", "gated"), [
+    (2, 64, 96, 80, 32, 1, 1, False, False),
+    (5, 96, 64, 48, 32, 2, 1, True, False),     # split first GEMM: the epilogue in the launch that reduces
+    (16, 64, 128, 64, 16, 4, 2, False, True),   # gated second GEMM, split both
+    (13, 80, 64, 40, 32, 1, 3, True, False),    # hidden not a multiple of the column tile: a partial last tile
+])
+def test_chained_launches_give_the_residual_and_the_normed_product(dtype, m, n1, k1, n2, block_n1, split1, split2,
+                                                                   bias, gated):
+    """`linear_add_residual` stores h = linear + residual with the bits of the two torch ops after the same GEMM, and
+    per-tile sums of squares that add up to h's; `norm_partials_linear` equals the GEMM of the stock-normalized h
+    (with the row scale from those sums, bit for bit; with the stock sum order, within a rounding)."""
+    x = rnd(m, k1, dtype=dtype, seed=1)
+    w1 = rnd(n1, k1, dtype=dtype, seed=2, scale=0.1)
+    b1 = rnd(n1, dtype=dtype, seed=3) if bias else None
+    r = rnd(m, n1, dtype=dtype, seed=4)
+    g = (torch.rand(n1, generator=torch.Generator().manual_seed(5)) + 0.5).to(DEVICE, dtype)
+    w2 = rnd(2 * n2 if gated else n2, n1, dtype=dtype, seed=6, scale=0.1)
+    b2 = None if gated else rnd(n2, dtype=dtype, seed=7) if bias else None
+    cfg1 = G.SkinnyConfig(16 if m <= 16 else 32, block_n1, 32, split1, 4, 2)
+    cfg2 = G.SkinnyConfig(16 if m <= 16 else 32, 16, 32, split2, 4, 2)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+
+    h, ss = G.linear_add_residual(x, w1, b1, r, cfg1, counters=counters)
+    a = G.skinny_linear(x, w1, b1, cfg1, counters=counters)  # the same GEMM, its output stored
+    assert torch.equal(h, a + r)
+    assert ss.shape == (triton.cdiv(n1, block_n1), m) and ss.dtype == torch.float32
+    torch.testing.assert_close(ss.sum(0), h.float().pow(2).sum(-1), rtol=1e-5, atol=1e-5)
+
+    y = G.norm_partials_linear(h, ss, g, EPS, w2, b2, cfg2, counters=counters, gated=gated)
+    rstd = torch.rsqrt(ss.sum(0, keepdim=True).T * (1.0 / n1) + EPS)  # as the kernel scales the sum
+    normed = stock_norm_formula(h, g, rstd).to(dtype)
+    if gated:
+        want = silu_mul(F.linear(normed.float(), w2.float()), n2, dtype)
+        ref = G.skinny_linear(normed, w2, None, cfg2, counters=counters, gated=True)
+    else:
+        want = F.linear(normed.float(), w2.float(), b2.float() if b2 is not None else None).to(dtype)
+        ref = G.skinny_linear(normed, w2, b2, cfg2, counters=counters)
+    assert y.shape == (m, n2) and y.dtype == dtype
+    assert torch.equal(y, ref)  # the normalization inside the K loop gives the bits of the normalized input
+    stock = stock_norm_formula(h, g).to(dtype)
+    tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}[dtype]
+    torch.testing.assert_close(y.float(), want.float(), rtol=tol, atol=tol * (1 + want.abs().max().item()))
+    ulp = torch.finfo(dtype).eps  # the sum order moves the normalized input by at most a last bit
+    torch.testing.assert_close(normed.float(), stock.float(), rtol=2 * ulp, atol=2 * ulp)
+    assert not counters.any()
+
+
+def test_chained_launch_refuses_what_it_cannot_compute():
+    x = rnd(3, 64, dtype=torch.float16, seed=1)
+    w = rnd(32, 64, dtype=torch.float16, seed=2)
+    r = rnd(3, 32, dtype=torch.float16, seed=3)
+    with pytest.raises(AssertionError, match="chainable"):  # split-K without counters: a second kernel would reduce
+        G.linear_add_residual(x, w, None, r, G.SkinnyConfig(16, 16, 32, 2))
+    with pytest.raises(AssertionError, match="chainable"):  # the one-row kernel has no such epilogue
+        G.linear_add_residual(x[:1], w, None, r[:1], G.SkinnyConfig(1, 8, 64, 1, gemv=True))
+
+
+# ------------------------------------------------------------------------------------------------------------ the op
+@pytest.mark.parametrize("gated", [False, True])
+def test_op_on_cpu_is_the_stock_formula(gated):
+    """Off CUDA the op runs the linear, the add, the stock norm and the second linear (and the SiLU-and-mul): the
+    stock modules' bits."""
+    k1, n1, n2 = 40, 48, 24
+    x, r = torch.randn(2, 3, k1).to(torch.bfloat16), torch.randn(2, 3, n1).to(torch.bfloat16)
+    w1, w2 = torch.randn(n1, k1).to(torch.bfloat16), torch.randn(2 * n2 if gated else n2, n1).to(torch.bfloat16)
+    g = (torch.rand(n1) + 0.5).to(torch.bfloat16)
+    y, h = torch.ops.hf_accel.linear_add_rms_norm_linear(x, w1, None, r, g, EPS, w2, None, gated, False)
+    h_want = F.linear(x, w1) + r
+    assert torch.equal(h, h_want)
+    both = F.linear(stock_norm_formula(h_want, g), w2)
+    assert torch.equal(y, F.silu(both[..., :n2]) * both[..., n2:] if gated else both)
+
+
+def test_op_chains_only_where_both_decisions_are_tensor_core_tiles(monkeypatch):
+    """The op takes the two chained launches when both linears' tuned decisions for the step's rows are tensor-core
+    tiles, and otherwise the unchained path: one row (the one-row kernel normalizes itself), a cuBLAS decision, or a
+    split-K first GEMM without counters. Checked on CPU by letting the op treat CPU tensors as kernel operands (the
+    interpreter runs the kernels)."""
+    decisions = {}
+    monkeypatch.setattr(chain_op, "kernel_operands", lambda x, w, b: True)
+    monkeypatch.setattr(chain_op, "tuned_config", lambda dev, key, n, k, bias, m: decisions.get((n, m_bucket(m))))
+    launches = []
+    real = G.linear_add_residual
+    monkeypatch.setattr(G, "linear_add_residual", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    k1, n1, n2 = 64, 96, 32
+    x, r = rnd(4, k1, dtype=torch.float16, seed=1), rnd(4, n1, dtype=torch.float16, seed=2)
+    w1, w2 = rnd(n1, k1, dtype=torch.float16, seed=3, scale=0.1), rnd(n2, n1, dtype=torch.float16, seed=4, scale=0.1)
+    g = torch.ones(n1, dtype=torch.float16)
+
+    def run(rows=4):
+        launches.clear()
+        return chain_op.run_chain(x[:rows], w1, None, r[:rows], g, EPS, w2, None, False, False)
+
+    tile = G.SkinnyConfig(16, 32, 32, 1)
+    decisions.update({(n1, 16): tile, (n2, 16): tile})
+    y, h = run()
+    assert launches == [1]
+    torch.testing.assert_close(h.float(), (F.linear(x.float(), w1.float()).half() + r).float(), rtol=2e-3, atol=2e-3)
+    decisions[(n2, 16)] = None  # the second linear's decision is cuBLAS: unchained (not run on CPU: F.linear)
+    monkeypatch.setattr(chain_op, "run_linear", lambda a, w, b, p: F.linear(a, w, b))
+    monkeypatch.setattr(chain_op, "run_norm_linear", lambda a, res, gw, eps, w, b, p: (
+        F.linear(stock_norm_formula(a + res, gw), w, b), a + res))
+    y2, h2 = run()
+    assert launches == []
+    torch.testing.assert_close(y2.float(), y.float(), rtol=2e-2, atol=2e-2)
+    decisions[(n2, 16)] = tile
+    decisions[(n1, 16)] = G.SkinnyConfig(16, 32, 32, 2)  # split-K, and on CPU no counters
+    run()
+    assert launches == []
+    decisions[(n1, 1)] = decisions[(n2, 1)] = tile
+    run(rows=1)
+    assert launches == []
+
+
+# ----------------------------------------------------------------------------------------------------------- the pass
+COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
+              max_position_embeddings=256)
+
+
+def _model(family: str, layers: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **COMMON))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, head_dim=16, **COMMON))
+    return model.eval().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_pass_chains_both_residual_norms_of_every_layer(family, gated):
+    """Every folded norm with a residual add (each layer's post-attention norm, every input norm after the first)
+    takes the linear whose output it adds (o_proj, the previous layer's down_proj), with the gate/up op fused or not;
+    the first layer's input norm (no add) and the final norm stay as they were. The chained forward gives the stock
+    forward's bits (on CPU the op computes the stock formula)."""
+    model = _model(family)
+    pack_sibling_linears(model)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 200, (1, 9))
+    seen: dict = {}
+
+    def backend(gm, example_inputs):
+        merge_packed_linears(gm, example_inputs)
+        route_small_m_linears(gm, use_pdl=False, allow_cpu=True)
+        fold_norms_into_linears(gm)
+        if gated:
+            fuse_silu_mul_into_linears(gm)
+        seen["chained"] = chain_residual_norms(gm)
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        seen["ops"] = targets.count(torch.ops.hf_accel.linear_add_rms_norm_linear.default)
+        seen["left"] = (targets.count(torch.ops.hf_accel.add_rms_norm_linear.default)
+                        + targets.count(torch.ops.hf_accel.add_rms_norm_silu_mul_linear.default))
+        seen["linears"] = targets.count(torch.ops.hf_accel.linear.default)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            out = torch.compile(model, backend=backend)(ids, logits_to_keep=ids.shape[1]).logits
+    finally:
+        torch._dynamo.reset()
+    assert seen["chained"] == seen["ops"] == 2 * layers - 1 and seen["left"] == 0
+    with torch.no_grad():
+        eager = model(ids).logits
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------ the GPU
+QWEN = dict(hidden=1024, q_out=2048, qkv=4096, inter=3072)  # qwen3-0.6b's decode shapes
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 17, 64])
+def test_gpu_chain_at_qwen3_shapes_in_a_graph_with_and_without_pdl(m):
+    """o_proj -> add + norm -> gate/up (gated) -> down -> add + norm -> q/k/v, chained, bf16 at qwen3-0.6b's shapes,
+    captured in a CUDA graph: the same bits with PDL as without, replay after replay, the same bits as the chained
+    launches run eagerly, and within bf16 rounding of the unchained ops (the stock formula)."""
+    if not pdl.supported(DEVICE):
+        pytest.skip("PDL needs sm90+ and a triton that exposes it")
+    d, q, qkv, inter = QWEN["hidden"], QWEN["q_out"], QWEN["qkv"], QWEN["inter"]
+    bf = torch.bfloat16
+    w_o, w_gu = rnd(d, q, dtype=bf, seed=1, scale=0.03), rnd(2 * inter, d, dtype=bf, seed=2, scale=0.03)
+    w_down, w_qkv = rnd(d, inter, dtype=bf, seed=3, scale=0.03), rnd(qkv, d, dtype=bf, seed=4, scale=0.03)
+    g1 = (torch.rand(d, generator=torch.Generator().manual_seed(5)) + 0.5).to(DEVICE, bf)
+    g2 = (torch.rand(d, generator=torch.Generator().manual_seed(6)) + 0.5).to(DEVICE, bf)
+    attn, r0 = rnd(m, q, dtype=bf, seed=7), rnd(m, d, dtype=bf, seed=8)
+    split = G.SkinnyConfig(64, 32, 128, 4, 4, 4)  # o / down: split-K 4, as tuned on the H100 at 64 rows
+    wide = G.SkinnyConfig(64, 64, 128, 1, 4, 4)
+    counters = torch.zeros(4096, dtype=torch.int32, device=DEVICE)
+
+    def layer(use_pdl: bool):
+        h1, ss1 = G.linear_add_residual(attn, w_o, None, r0, split, use_pdl, counters)
+        act = G.norm_partials_linear(h1, ss1, g1, EPS, w_gu, None, wide, use_pdl, counters, gated=True)
+        h2, ss2 = G.linear_add_residual(act, w_down, None, h1, split, use_pdl, counters)
+        out = G.norm_partials_linear(h2, ss2, g2, EPS, w_qkv, None, wide, use_pdl, counters)
+        return out, h2
+
+    eager = [t.clone() for t in layer(False)]
+    outs = {}
+    for use_pdl in (False, True):
+        layer(use_pdl)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res = layer(use_pdl)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        outs[use_pdl] = [t.clone() for t in res]
+    for a, b, c in zip(eager, outs[False], outs[True], strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    assert not counters.any()
+    # the unchained ops: linear, add, stock norm, linear (float32 products rounded as cuBLAS's)
+    h1 = (F.linear(attn.float(), w_o.float()).to(bf) + r0)
+    both = F.linear(stock_norm_formula(h1, g1).float(), w_gu.float())
+    act = silu_mul(both, inter, bf)
+    h2 = (F.linear(act.float(), w_down.float()).to(bf) + h1)
+    want = F.linear(stock_norm_formula(h2, g2).float(), w_qkv.float()).to(bf)
+    got, got_h2 = eager
+    torch.testing.assert_close(got_h2.float(), h2.float(), rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
+    assert (got != want).float().mean().item() < 0.05
