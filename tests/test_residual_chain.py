@@ -59,6 +59,8 @@ def silu_mul(both: torch.Tensor, inter: int, dtype) -> torch.Tensor:
     (5, 96, 64, 48, 32, 2, 1, True, False),     # split first GEMM: the epilogue in the launch that reduces
     (16, 64, 128, 64, 16, 4, 2, False, True),   # gated second GEMM, split both
     (13, 80, 64, 40, 32, 1, 3, True, False),    # hidden not a multiple of the column tile: a partial last tile
+    (7, 96, 80, 32, 32, 3, 1, True, True),      # uneven K in the first GEMM's fused three-way split
+    (4, 40, 64, 24, 64, 1, 1, False, False),    # one column tile: one partial sum per row
 ])
 def test_chained_launches_give_the_residual_and_the_normed_product(dtype, m, n1, k1, n2, block_n1, split1, split2,
                                                                    bias, gated):
@@ -277,3 +279,39 @@ def test_gpu_chain_at_qwen3_shapes_in_a_graph_with_and_without_pdl(m):
     torch.testing.assert_close(got_h2.float(), h2.float(), rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
     assert (got != want).float().mean().item() < 0.05
+
+
+def test_pass_leaves_a_linear_added_to_itself():
+    """`h = lin(x) + lin(x)` of one linear node: the add reads it twice, so the linear stays its own op (taking it
+    into the chain would erase a node the new op still reads)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o, self.norm, self.up = nn.Linear(32, 32, bias=False), LlamaRMSNorm(32, eps=EPS), nn.Linear(32, 16)
+
+        def forward(self, x):
+            y = self.o(x)
+            h = y + y
+            return self.up(self.norm(h)), h
+
+    block = Block().eval().to(torch.bfloat16)
+    x = torch.randn(1, 3, 32).to(torch.bfloat16)
+    seen: dict = {}
+
+    def backend(gm, example_inputs):
+        route_small_m_linears(gm, use_pdl=False, allow_cpu=True)
+        seen["folded"] = fold_norms_into_linears(gm)
+        seen["chained"] = chain_residual_norms(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            out, h = torch.compile(block, backend=backend)(x)
+            want, want_h = block(x)
+    finally:
+        torch._dynamo.reset()
+    assert seen == {"folded": 1, "chained": 0}
+    assert torch.equal(out, want) and torch.equal(h, want_h)

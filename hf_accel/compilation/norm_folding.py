@@ -197,9 +197,10 @@ def chain_residual_norms(gm: torch.fx.GraphModule) -> int:
             (a, b, g, eps, w2, use_pdl), bias2 = node.args, None
         for first, residual in ((a, b), (b, a)):  # the add commutes (IEEE addition does)
             if not (isinstance(first, torch.fx.Node) and first.op == "call_function"
-                    and first.target is torch.ops.hf_accel.linear.default and _single_user(first)):
+                    and first.target is torch.ops.hf_accel.linear.default and _single_user(first)
+                    and residual is not first):  # `lin + lin`: the add reads the linear twice
                 continue
-            x1, w1, bias1, _ = first.args
+            x1, w1, bias1, pdl1 = first.args
             if not static_weight(w1):
                 continue
             # the linear runs at the op's place: nothing in between may write what it reads
@@ -208,7 +209,7 @@ def chain_residual_norms(gm: torch.fx.GraphModule) -> int:
             with gm.graph.inserting_before(node):
                 fused = gm.graph.call_function(torch.ops.hf_accel.linear_add_rms_norm_linear.default,
                                                (x1, w1, bias1, residual, g, eps, w2, bias2, node.target is gated,
-                                                use_pdl))
+                                                bool(use_pdl and pdl1)))  # PDL only where both linears had it
             fused.meta.update(node.meta)
             node.replace_all_uses_with(fused)
             gm.graph.erase_node(node)

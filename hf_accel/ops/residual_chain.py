@@ -42,6 +42,7 @@ def chain_configs(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | 
     k = x.shape[-1]
     if not k or not (kernel_operands(x, weight1, bias1) and kernel_operands(x, weight2, bias2)):
         return None
+    from hf_accel.ops import skinny_gemm  # imports triton: only where a chain may run
     m = x.numel() // k
     n = weight1.shape[0]
     if m < 2 or residual.dtype != x.dtype or norm_weight.dtype != x.dtype or weight2.shape[1] != n:
@@ -49,7 +50,7 @@ def chain_configs(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | 
     cfg1 = tuned_config(x.device, x.dtype, n, k, bias1 is not None, m)
     if cfg1 is None or cfg1.gemv or m > cfg1.block_m or -(-n // cfg1.block_n) > MAX_SS_TILES:
         return None
-    if cfg1.split_k > 1 and (counters is None or counters.numel() < -(-n // cfg1.block_n)):
+    if skinny_gemm.split_count(k, cfg1) > 1 and (counters is None or counters.numel() < -(-n // cfg1.block_n)):
         return None  # the epilogue runs in the launch that reduces the splits
     key = gated_key_dtype(x.dtype) if gated else x.dtype
     cfg2 = tuned_config(x.device, key, weight2.shape[0], n, bias2 is not None, m)

@@ -429,7 +429,7 @@ def norm_linear_fused(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
 
 @dataclass
 class ChainArgs:
-    """The GEMM kernel's part in a linear -> residual add -> RMSNorm -> linear chain (`ops.norm_linear`).
+    """The GEMM kernel's part in a linear -> residual add -> RMSNorm -> linear chain (`ops.residual_chain`).
     The first linear: `residual` (added to its output, which becomes h) and `ss_out` (float32 `[column tiles, M]`: each
     column tile's sums of squares of its h rows). The second: `ss_in` (the first's `ss_out`, `ss_tiles` rows),
     `norm_weight` and `eps` of the norm its input goes through. Pointer fields may be dtypes when building ahead."""
@@ -453,7 +453,7 @@ def linear_add_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """`(h, ss)`: `h = F.linear(x, weight, bias) + residual`, each rounded as the two torch ops round, in one launch of
     the GEMM kernel, with `ss` (float32 `[column tiles, rows]`) each column tile's sums of squares of its rows of h,
     for `norm_partials_linear` to normalize h without a pass of its own. Needs a tensor-core config
-    (`can_chain`); split-K needs `counters` (the reduction in the same launch)."""
+    (`ops.residual_chain.chain_configs`); split-K needs `counters` (the reduction in the same launch)."""
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -516,6 +516,11 @@ def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype
     return _launch(dtype, weight_dtype, dtype if has_bias else None, dtype if has_scale else None, dtype,
                    torch.float32 if split > 1 else dtype, torch.int32 if fused_splits else None, m, out_n, k,
                    k_per_split, split, (k, k, out_n), config, use_pdl, warmup=True, gated=gated)
+
+
+def split_count(k: int, config: SkinnyConfig) -> int:
+    """How many K splits a launch of `config` over `k` columns makes (`config.split_k` or fewer)."""
+    return _split(k, config)[1]
 
 
 def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
