@@ -224,7 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--chain-residual-norms", action=argparse.BooleanOptionalAction, default=None,
                    help="at 2-64 rows, the linear before a residual add and RMSNorm adds the residual and sums the "
                         "squares in its epilogue, and the linear after normalizes its input: no norm kernel "
-                        "(default: on); --no-chain-residual-norms for the A/B")
+                        "(default: off until measured on a GPU); --no-chain-residual-norms for the A/B")
     a.add_argument("--combo-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="Inductor launches each compiled piece's independent GPU kernels together, up to eight per "
                         "launch (default: on); --no-combo-kernels for the A/B")
