@@ -254,3 +254,37 @@ class LaunchRecorder:
 
     def warmup(self, *args, grid, **kwargs):
         return self._record(grid, args, kwargs)
+
+
+# tiny Llama / Qwen3 models for the compile passes' tests (norm folding, the gated GEMM, the residual chain)
+PASS_MODEL_COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=200, max_position_embeddings=256)
+
+
+def tiny_pass_model(family: str, layers: int = 3):
+    """A seeded bf16 Llama ("llama") or Qwen3 (anything else) of `layers` layers, in eval mode."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **PASS_MODEL_COMMON))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, head_dim=16, **PASS_MODEL_COMMON))
+    return model.eval().to(torch.bfloat16)
+
+
+def graph_replays_with_and_without_pdl(chain) -> dict:
+    """{use_pdl: outputs}: `chain(use_pdl)` (a callable returning tensors) run once, captured in a CUDA graph and
+    replayed three times, with PDL off and on; the outputs are copies after the last replay."""
+    outs = {}
+    for use_pdl in (False, True):
+        chain(use_pdl)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res = chain(use_pdl)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        outs[use_pdl] = [t.clone() for t in res]
+    return outs

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LaunchRecorder
+from conftest import LaunchRecorder, graph_replays_with_and_without_pdl, tiny_pass_model
 from triton_mode import DEVICE, ON_GPU, load_kernel_modules
 
 triton = pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 import hf_accel.ops.gated_linear as gated_op  # noqa: E402
@@ -216,17 +215,7 @@ def test_op_follows_the_gated_decision(monkeypatch, rows):
 
 
 # -------------------------------------------------------------------------------------------------------- the pass
-COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
-              max_position_embeddings=256)
-
-
-def _model(family: str, layers: int = 3):
-    torch.manual_seed(0)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **COMMON))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, head_dim=16, **COMMON))
-    return model.eval().to(torch.bfloat16)
+_model = tiny_pass_model
 
 
 def _compiled_logits(model, ids, fold: bool, gated: bool, seen: dict):
@@ -443,17 +432,7 @@ def test_gpu_gated_chain_in_a_graph_with_and_without_pdl(gemv):
         d = G.skinny_linear(act, w_down, None, down_cfg, use_pdl, counters=counters)
         return act, G.skinny_linear(d, w_gu, None, cfg, use_pdl, counters=counters, gated=True)
 
-    outs = {}
-    for use_pdl in (False, True):
-        chain(use_pdl)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            res = chain(use_pdl)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        outs[use_pdl] = [t.clone() for t in res]
+    outs = graph_replays_with_and_without_pdl(chain)
     for plain, overlapped in zip(outs[False], outs[True], strict=True):
         assert torch.equal(plain, overlapped)
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import graph_replays_with_and_without_pdl, tiny_pass_model
 from triton_mode import DEVICE, ON_GPU, load_kernel_modules
 
 triton = pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
@@ -133,17 +133,7 @@ def test_ops_on_cpu_are_the_stock_formula():
 
 
 # -------------------------------------------------------------------------------------------------------- the pass
-COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
-              max_position_embeddings=256)
-
-
-def _model(family: str, layers: int = 3) -> nn.Module:
-    torch.manual_seed(0)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **COMMON))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, head_dim=16, **COMMON))
-    return model.eval().to(torch.bfloat16)
+_model = tiny_pass_model
 
 
 def _compiled_output(model, ids, fold: bool, counts: dict):
@@ -377,16 +367,6 @@ def test_gpu_fused_chain_in_a_graph_with_and_without_pdl():
         up, h2 = G.norm_linear_fused(d, h1, g2, EPS, w_up, None, cfg, use_pdl)
         return up, h2
 
-    outs = {}
-    for use_pdl in (False, True):
-        chain(use_pdl)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            res = chain(use_pdl)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        outs[use_pdl] = [t.clone() for t in res]
+    outs = graph_replays_with_and_without_pdl(chain)
     for plain, overlapped in zip(outs[False], outs[True], strict=True):
         assert torch.equal(plain, overlapped)

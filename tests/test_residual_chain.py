@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import graph_replays_with_and_without_pdl, tiny_pass_model
 from triton_mode import DEVICE, ON_GPU, load_kernel_modules
 
 triton = pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import hf_accel.ops.residual_chain as chain_op  # noqa: E402
 from hf_accel.compilation.gated_activation import fuse_silu_mul_into_linears  # noqa: E402
@@ -171,17 +171,7 @@ def test_op_chains_only_where_both_decisions_are_tensor_core_tiles(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------------- the pass
-COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
-              max_position_embeddings=256)
-
-
-def _model(family: str, layers: int = 3) -> nn.Module:
-    torch.manual_seed(0)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **COMMON))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, head_dim=16, **COMMON))
-    return model.eval().to(torch.bfloat16)
+_model = tiny_pass_model
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -255,17 +245,7 @@ def test_gpu_chain_at_qwen3_shapes_in_a_graph_with_and_without_pdl(m):
         return out, h2
 
     eager = [t.clone() for t in layer(False)]
-    outs = {}
-    for use_pdl in (False, True):
-        layer(use_pdl)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            res = layer(use_pdl)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        outs[use_pdl] = [t.clone() for t in res]
+    outs = graph_replays_with_and_without_pdl(layer)
     for a, b, c in zip(eager, outs[False], outs[True], strict=True):
         assert torch.equal(a, b) and torch.equal(b, c)
     assert not counters.any()
