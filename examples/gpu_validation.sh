@@ -125,10 +125,12 @@ case "${1:-tests}" in
       echo "== --$f"; grep -E "^W[23] " "$OUT/ab-$f.log" | cut -c1-110
     done ;;
   chain-ab)  # issue 14 (session 36): the residual chain (AccelConfig.chain_residual_norms, off by default) on the GPU:
-    # its kernel tests and its float32-judged A/B test, then qwen3-0.6b W2 with and without it (same lease, each run
-    # with its own compile cache) and the tuned decisions it depends on (our tiles for both linears of a chain)
+    # its kernel tests, the small-M and gated GEMM tests (the GEMM kernel's new arguments), its float32-judged A/B
+    # test, then qwen3-0.6b W2 with and without it (same lease, each run with its own compile cache) and the tuned
+    # decisions it depends on (our tiles for both linears of a chain)
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
-    timeout 150 python3 -m pytest $P tests/test_residual_chain.py "tests/test_gpu_ab.py::test_residual_chain_matches_stock_judged_by_float32" \
+    timeout 200 python3 -m pytest $P tests/test_residual_chain.py tests/test_small_m_gemm.py tests/test_gated_gemm.py \
+      "tests/test_gpu_ab.py::test_residual_chain_matches_stock_judged_by_float32" \
       >"$OUT/chain-tests.log" 2>&1; tail -n 2 "$OUT/chain-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/chain-tests.log"
     for f in chain-residual-norms no-chain-residual-norms; do
       HF_ACCEL_CACHE_DIR=/tmp/cache-$f timeout 110 hf-accel bench --workload w2 --shape qwen3-0.6b --anchors none \
