@@ -48,13 +48,12 @@ def chain_configs(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | 
     if m < 2 or residual.dtype != x.dtype or norm_weight.dtype != x.dtype or weight2.shape[1] != n:
         return None  # one row: the one-row GEMM normalizes its input itself (ops.norm_linear)
     cfg1 = tuned_config(x.device, x.dtype, n, k, bias1 is not None, m)
-    if cfg1 is None or cfg1.gemv or m > cfg1.block_m or -(-n // cfg1.block_n) > MAX_SS_TILES:
+    if (cfg1 is None or -(-n // cfg1.block_n) > MAX_SS_TILES
+            or not skinny_gemm.can_chain(cfg1, m, k, n, counters, residual=True)):
         return None
-    if skinny_gemm.split_count(k, cfg1) > 1 and (counters is None or counters.numel() < -(-n // cfg1.block_n)):
-        return None  # the epilogue runs in the launch that reduces the splits
     key = gated_key_dtype(x.dtype) if gated else x.dtype
     cfg2 = tuned_config(x.device, key, weight2.shape[0], n, bias2 is not None, m)
-    if cfg2 is None or cfg2.gemv or m > cfg2.block_m:
+    if cfg2 is None or not skinny_gemm.can_chain(cfg2, m, n, weight2.shape[0], counters, residual=False):
         return None
     return cfg1, cfg2
 
@@ -73,8 +72,7 @@ def run_chain(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None
         return y, h
     a = run_linear(x, weight1, bias1, use_pdl)
     if gated:
-        y, h = run_gated(a, residual, norm_weight, eps, weight2, use_pdl)
-        return y, h
+        return run_gated(a, residual, norm_weight, eps, weight2, use_pdl)
     return run_norm_linear(a, residual, norm_weight, eps, weight2, bias2, use_pdl)
 
 

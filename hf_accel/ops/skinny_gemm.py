@@ -96,8 +96,7 @@ def _skinny_gemm_kernel(
         tl.extra.cuda.gdc_wait()
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
+    if NORM:  # (rstd exists only here; every use of it is under NORM too)
         offs_t = tl.arange(0, SS_TILES)
         ss = tl.load(ss_in_ptr + offs_t[:, None] * M + offs_m[None, :],
                      mask=(offs_t[:, None] < n_ss_tiles) & m_ok[None, :], other=0.0)
@@ -427,7 +426,7 @@ def norm_linear_fused(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     return out, (h.view(x.shape) if h is not None else None)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChainArgs:
     """The GEMM kernel's part in a linear -> residual add -> RMSNorm -> linear chain (`ops.residual_chain`).
     The first linear: `residual` (added to its output, which becomes h) and `ss_out` (float32 `[column tiles, M]`: each
@@ -442,9 +441,18 @@ class ChainArgs:
     eps: float = 0.0
 
 
-def _chain_config_ok(config: SkinnyConfig, m: int, split: int, counters: torch.Tensor | None, n: int) -> bool:
-    return (not config.gemv and 0 < m <= config.block_m
-            and (split == 1 or (counters is not None and counters.numel() >= triton.cdiv(n, config.block_n))))
+_NO_CHAIN = ChainArgs()
+
+
+def can_chain(config: SkinnyConfig, m: int, k: int, n: int, counters: torch.Tensor | None,
+              residual: bool) -> bool:
+    """Whether `m` rows of a `[n, k]` weight can run in a chained launch of `config`: a tensor-core tile holding the
+    rows; for the first linear's residual epilogue (`residual`), in the GEMM kernel itself: one K split, or a counter
+    per column tile (the splits reduced in the same launch)."""
+    if config.gemv or not 0 < m <= config.block_m:
+        return False
+    return (not residual or _split(k, config)[1] == 1
+            or (counters is not None and counters.numel() >= triton.cdiv(n, config.block_n)))
 
 
 def linear_add_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
@@ -460,8 +468,8 @@ def linear_add_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    assert can_chain(config, m, k, n, counters, residual=True), "linear_add_residual: not a chainable launch"
     k_per_split, split = _split(k, config)
-    assert _chain_config_ok(config, m, split, counters, n), "linear_add_residual: not a chainable launch"
     assert residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype and weight.shape[1] == k
     r2 = residual.reshape(m, n).contiguous()
     if bias is not None and bias.stride(0) != 1:
@@ -489,8 +497,8 @@ def norm_partials_linear(h: torch.Tensor, ss: torch.Tensor, norm_weight: torch.T
     assert h2.stride(-1) == 1 and h2.stride(0) == k, "norm_partials_linear: h must be contiguous rows"
     assert ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == m and ss.is_contiguous()
     assert norm_weight.shape == (k,) and norm_weight.dtype == h.dtype and weight.shape[1] == k
+    assert can_chain(config, m, k, n, counters, residual=False), "norm_partials_linear: not a chainable launch"
     k_per_split, split = _split(k, config)
-    assert not config.gemv and 0 < m <= config.block_m, "norm_partials_linear: a tensor-core config for these rows"
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     y = torch.empty((m, n), dtype=h.dtype, device=h.device)
@@ -516,11 +524,6 @@ def build_skinny_linear(m: int, n: int, k: int, dtype: torch.dtype, weight_dtype
     return _launch(dtype, weight_dtype, dtype if has_bias else None, dtype if has_scale else None, dtype,
                    torch.float32 if split > 1 else dtype, torch.int32 if fused_splits else None, m, out_n, k,
                    k_per_split, split, (k, k, out_n), config, use_pdl, warmup=True, gated=gated)
-
-
-def split_count(k: int, config: SkinnyConfig) -> int:
-    """How many K splits a launch of `config` over `k` columns makes (`config.split_k` or fewer)."""
-    return _split(k, config)[1]
 
 
 def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
@@ -568,8 +571,7 @@ def _launch(x, weight, bias, scale, y, part, counters, m: int, n: int, k: int, k
                       **common)]
     else:
         assert norm is None, "only the one-row kernel normalizes its input"
-        c = chain if chain is not None else ChainArgs()
-        assert c.residual is None or in_gemm, "the residual epilogue runs in the GEMM kernel: one split or counters"
+        c = chain if chain is not None else _NO_CHAIN
         chain_pointers = (*(p if p is not None else weight for p in (c.residual, c.ss_out, c.norm_weight, c.ss_in)),
                           c.ss_tiles, 1.0 / k, float(c.eps))
         writes = (y, c.ss_out) if c.ss_out is not None else (y,)
