@@ -182,10 +182,12 @@ class AccelConfig:
     combo_kernels: bool = True
     # with fold_norms: the linear whose output a folded norm's residual add takes (o_proj, down_proj) joins that op
     # (ops/residual_chain.py). At 2-64 rows, where both linears' tuned decisions are tensor-core tiles of the small-M
-    # GEMM, the first GEMM's epilogue adds the residual and stores each column tile's sums of squares, and the second
-    # normalizes its input from them: the add + norm kernel between them is gone (two per layer). Rounds as the stock
-    # modules do, up to the order of the float32 sum of squares. Off by default until its GPU tests and A/B have run
-    # (session 36: no GPU came); True turns it on, False keeps the add and norm kernel, as before
+    # GEMM (or, where cuBLAS won narrowly, their chain tiles: ops/linear.py CHAIN_SLACK), the first GEMM's epilogue
+    # adds the residual and stores each column tile's sums of squares, and the second normalizes its input from them:
+    # the add + norm kernel between them is gone (two per layer). With it on, norms of rows wider than 2,048 columns
+    # fold too (norm_folding.MAX_FOLD_K), so 8B-class models can chain. Rounds as the stock modules do, up to the order
+    # of the float32 sum of squares. Off by default until its GPU tests and A/B have run (sessions 36-37: no GPU
+    # came); True turns it on, False keeps the add and norm kernel, as before
     chain_residual_norms: bool = False
     # attention_backend="auto": a library that would JIT-compile its kernels on first use here (FlashInfer on a
     # fresh machine, ~90 s) is not timed or chosen at startup; with this on, one detached low-priority process

@@ -288,3 +288,15 @@ def graph_replays_with_and_without_pdl(chain) -> dict:
         torch.cuda.synchronize()
         outs[use_pdl] = [t.clone() for t in res]
     return outs
+
+
+def stand_in_tuner_gpu(monkeypatch, build=lambda todo: None) -> torch.device:
+    """Lets `ops.linear.tune_linears`'s bookkeeping run without a GPU (its timing faked by the caller): a named
+    device, no syncs or cache release, and candidate builds handed to `build`. Returns the device to tune for."""
+    from hf_accel.ops import linear as linear_op
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in GPU")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(linear_op, "build_candidates", lambda todo, *a: build(todo) or {"kernels": 1})
+    return torch.device("cuda", 0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LaunchRecorder, graph_replays_with_and_without_pdl, tiny_pass_model
+from conftest import LaunchRecorder, graph_replays_with_and_without_pdl, stand_in_tuner_gpu, tiny_pass_model
 from triton_mode import DEVICE, ON_GPU, load_kernel_modules
 
 triton = pytest.importorskip("triton")
@@ -172,13 +172,16 @@ def test_ops_on_cpu_are_the_stock_formula():
         assert torch.equal(y, stock_activation(F.linear(norm(a + b), w)))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40, 65])
-def test_op_follows_the_gated_decision(monkeypatch, rows):
+@pytest.mark.parametrize(("rows", "wide"), [(1, False), (1, True), (5, False), (40, False), (65, False)])
+def test_op_follows_the_gated_decision(monkeypatch, rows, wide):
     """With a gated decision for the row count's bucket the op runs the gated kernel (with the norm inside it at
-    one row when the decision is the one-row kernel); without one (or above the largest bucket) the linear, then
-    the SiLU-and-mul. The kernels run in the interpreter here (the CUDA check is lifted); results agree either way."""
+    one row when the decision is the one-row kernel and the row is at most MAX_ONE_ROW_NORM_K wide; `wide`: it is
+    not, the norm runs before the kernel); without one (or above the largest bucket) the linear, then the
+    SiLU-and-mul. The kernels run in the interpreter here (the CUDA check is lifted); results agree either way."""
     dtype = torch.float16 if not ON_GPU else torch.bfloat16
     k, inter = 64, 32
+    if wide:
+        monkeypatch.setattr(gated_op, "MAX_ONE_ROW_NORM_K", k // 2)
     monkeypatch.setattr(gated_op, "kernel_operands", lambda x, w, b: True)
     monkeypatch.setattr(linear_op, "device_index", lambda device: 0)
     calls = []
@@ -200,7 +203,7 @@ def test_op_follows_the_gated_decision(monkeypatch, rows):
         with torch.no_grad():
             y, h = gated_op.run_gated(a, b, g, EPS, w, False)
         assert torch.equal(h, a + b)
-        if rows == 1:
+        if rows == 1 and not wide:
             assert calls == [("fused", True)]
         elif rows <= 64:
             assert calls == [("gemm", True)]
@@ -328,17 +331,13 @@ def test_pass_matches_only_silu_of_the_first_half_times_the_second():
 def test_gated_decisions_are_kept_apart_from_the_plain_ones(monkeypatch, tmp_path):
     """The tuner's bookkeeping for gated shapes (timing faked, no GPU here): `_tune_one` is told the shape is gated,
     decisions sit under the gated key (in memory and on disk), and the plain linear of the same shape is untouched."""
-    cuda = torch.device("cuda", 0)
+    cuda = stand_in_tuner_gpu(monkeypatch)
     timed = []
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in GPU")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(linear_op, "build_candidates", lambda todo, *a: {"kernels": 1})
     won = G.SkinnyConfig(64, 16, 128, 1)
 
     def fake_tune(n, k, has_bias, bucket, dtype, device, use_pdl, scratch, int8=False, gated=False):
         timed.append((n, k, bucket, gated))
-        return (won if bucket == 64 else None), 2e-6, 1e-6
+        return (won if bucket == 64 else None), 2e-6, 1e-6, None
 
     monkeypatch.setattr(linear_op, "_tune_one", fake_tune)
     linear_op.clear_decisions()
@@ -454,6 +453,6 @@ def test_gated_one_row_bucket_without_one_row_candidates_keeps_the_baseline(monk
     (no crash, and the other buckets are still tuned)."""
     monkeypatch.setattr(linear_op, "ONE_ROW_GEMM", False)
     assert linear_op._gated_candidates(1, 1024) == []
-    cfg, _, _ = linear_op._tune_one(64, 1024, False, 1, torch.bfloat16, torch.device("cpu"), False, 1 << 20,
-                                    gated=True)
-    assert cfg is None
+    cfg, _, _, chain_tile = linear_op._tune_one(64, 1024, False, 1, torch.bfloat16, torch.device("cpu"), False,
+                                                1 << 20, gated=True)
+    assert cfg is None and chain_tile is None

@@ -351,16 +351,16 @@ def test_combo_kernels_launch_fewer_kernels_and_match_stock():
 
 
 @requires_cuda
-def test_residual_chain_matches_stock_judged_by_float32(monkeypatch):
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_residual_chain_matches_stock_judged_by_float32(monkeypatch, shape):
     """AccelConfig(chain_residual_norms=True) (ops/residual_chain.py): o_proj / down_proj add the residual and sum
     squares in their GEMM's epilogue and the next GEMM normalizes its input. Decode steps of 2-64 rows whose linears'
-    decisions are our tensor-core tiles take the chained launches (at least one must, or the test proves nothing);
-    greedy tokens equal stock's up to near-ties, and the judge batch agrees with the float32 copy at least as often as
-    stock's bf16 output does, minus one point. qwen3-0.6b only: the 8B-layer shape's rows are wider than the norm
-    fold takes (MAX_FOLD_K), so it has no chain."""
+    decisions (or chain tiles) are our tensor-core tiles take the chained launches; greedy tokens equal stock's up to
+    near-ties, and the judge batch agrees with the float32 copy at least as often as stock's bf16 output does, minus
+    one point. qwen3-0.6b must chain; the 8B-layer shape (rows wider than MAX_FOLD_K, folded for the chain) chains
+    only where its tuning found tiles within CHAIN_SLACK of cuBLAS, and the test says so when it did not."""
     from hf_accel.ops import skinny_gemm
 
-    shape = "qwen3-0.6b"
     model = gpu_model(shape)
     ids, mask = batch([100, 37, 64, 5, 80, 12, 90, 50, 3], seed=1)
     new = 24
@@ -376,9 +376,13 @@ def test_residual_chain_matches_stock_judged_by_float32(monkeypatch):
         judged = model.generate(input_ids=jids, attention_mask=jmask, max_new_tokens=JUDGE_NEW, do_sample=False)
     finally:
         restore(model)
-    assert chained, "no step took the chained launches (no tensor-core decision at any row count?)"
     assert_greedy_matches(ref, got, ref_scores, ids.shape[1])
     stock_rate = fp32_agreement(shape, stock_judge_output(shape), jmask, jids.shape[1])
     ours_rate = fp32_agreement(shape, judged, jmask, jids.shape[1])
-    report(test="fp32_agreement_residual_chain", shape=shape, backend="triton", stock=stock_rate, ours=ours_rate)
+    report(test="fp32_agreement_residual_chain", shape=shape, backend="triton", stock=stock_rate, ours=ours_rate,
+           chained_launches=len(chained))
     assert ours_rate >= stock_rate - 0.01, f"float32 agreement: ours {ours_rate:.3f} < stock {stock_rate:.3f} - 1 pp"
+    if not chained:
+        assert shape != "qwen3-0.6b", "no step took the chained launches (no tensor-core decision at any row count?)"
+        pytest.skip(f"{shape}: no chain tile within CHAIN_SLACK on this GPU, so no chained launch ran (the unchained "
+                    "ops were judged)")

@@ -136,11 +136,11 @@ def test_ops_on_cpu_are_the_stock_formula():
 _model = tiny_pass_model
 
 
-def _compiled_output(model, ids, fold: bool, counts: dict):
+def _compiled_output(model, ids, fold: bool, counts: dict, any_width: bool = False):
     def backend(gm, example_inputs):
         merge_packed_linears(gm, example_inputs)
         route_small_m_linears(gm, use_pdl=False, allow_cpu=True)
-        counts["folded"] = fold_norms_into_linears(gm) if fold else 0
+        counts["folded"] = fold_norms_into_linears(gm, any_width) if fold else 0
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         counts["add_ops"] = targets.count(torch.ops.hf_accel.add_rms_norm_linear.default)
         counts["plain_ops"] = targets.count(torch.ops.hf_accel.rms_norm_linear.default)
@@ -175,15 +175,40 @@ def test_pass_folds_both_norms_of_every_layer(family):
 
 
 def test_pass_leaves_rows_wider_than_the_limit(monkeypatch):
-    """Rows wider than MAX_FOLD_K keep Inductor's norm kernels (the fused form lost there on the H200)."""
+    """Rows wider than MAX_FOLD_K keep Inductor's norm kernels (the fused form lost there on the H200), unless a
+    residual chain asks for every width (`any_width`): then they fold, with the same bits."""
     import hf_accel.compilation.norm_folding as folding
 
     monkeypatch.setattr(folding, "MAX_FOLD_K", 32)  # the tiny models' rows have 64 columns
     model = _model("llama", layers=2)
     pack_sibling_linears(model)
+    ids = torch.randint(3, 200, (1, 5))
     counts: dict = {}
-    _compiled_output(model, torch.randint(3, 200, (1, 5)), True, counts)
+    plain = _compiled_output(model, ids, True, counts)
     assert counts["folded"] == 0
+    wide = _compiled_output(model, ids, True, counts, any_width=True)
+    assert counts["folded"] == 4 and torch.equal(wide, plain)
+
+
+def test_one_row_fold_only_up_to_its_width(monkeypatch):
+    """The op normalizes inside the one-row GEMM only for rows of at most MAX_ONE_ROW_NORM_K columns (a wider row
+    that folded for a chain runs its norm as a kernel of its own at one row), and only for a one-row decision."""
+    import hf_accel.ops.norm_linear as norm_op
+    from hf_accel.ops.skinny_gemm import SkinnyConfig
+
+    decision = {"cfg": SkinnyConfig(1, 8, 32, 1, 4, 2, gemv=True)}
+    monkeypatch.setattr(norm_op, "kernel_operands", lambda x, w, b: True)
+    monkeypatch.setattr(norm_op, "tuned_config", lambda dev, dtype, n, k, bias, m: decision["cfg"])
+    g = torch.ones(64)
+    w = torch.randn(16, 64)
+    assert norm_op._fused_config(torch.randn(1, 64), None, g, w, None) == decision["cfg"]
+    assert norm_op._fused_config(torch.randn(2, 64), None, g, w, None) is None  # two rows
+    monkeypatch.setattr(norm_op, "MAX_ONE_ROW_NORM_K", 32)
+    assert norm_op._fused_config(torch.randn(1, 64), None, g, w, None) is None
+    monkeypatch.setattr(norm_op, "MAX_ONE_ROW_NORM_K", 64)
+    assert norm_op._fused_config(torch.randn(1, 64), None, g, w, None) == decision["cfg"]
+    decision["cfg"] = SkinnyConfig(16, 8, 32, 1, 4, 2)  # a tensor-core tile cannot normalize
+    assert norm_op._fused_config(torch.randn(1, 64), None, g, w, None) is None
 
 
 def test_pass_leaves_a_norm_feeding_several_linears():

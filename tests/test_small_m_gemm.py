@@ -14,7 +14,7 @@ from triton_mode import DEVICE, ON_GPU, load_kernel_modules
 triton = pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
-from conftest import LaunchRecorder  # noqa: E402
+from conftest import LaunchRecorder, stand_in_tuner_gpu  # noqa: E402
 
 from hf_accel.compilation.small_m_linear import route_small_m_linears  # noqa: E402
 from hf_accel.ops import linear as linear_op  # noqa: E402
@@ -267,16 +267,12 @@ def test_split_k_counters_are_this_threads_steps_own():
 def test_tuner_times_only_what_is_not_decided_and_builds_it_first(monkeypatch, tmp_path):
     """The tuner's bookkeeping (timing and builds faked, no GPU here): decisions come from memory, then from the
     stored file, and only the rest is built ahead (once, all together) and timed; counts add up either way."""
-    cuda = torch.device("cuda", 0)
     built, timed = [], []
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in GPU")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(linear_op, "build_candidates", lambda todo, *a: built.append(list(todo)) or {"kernels": 1})
+    cuda = stand_in_tuner_gpu(monkeypatch, lambda todo: built.append(list(todo)))
 
     def fake_tune(n, k, has_bias, bucket, *args):
         timed.append((n, k, has_bias, bucket))
-        return (G.SkinnyConfig(16, 32, 64, 2) if bucket == 1 else None), 2e-6, 1e-6
+        return (G.SkinnyConfig(16, 32, 64, 2) if bucket == 1 else None), 2e-6, 1e-6, None
 
     monkeypatch.setattr(linear_op, "_tune_one", fake_tune)
     linear_op.clear_decisions()

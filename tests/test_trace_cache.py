@@ -147,6 +147,21 @@ def test_warm_start_reads_the_stored_trace_and_binds_the_live_weights(tmp_path, 
     assert source == "dynamo" and torch.equal(got, want_other)
 
 
+def test_another_set_of_graph_passes_is_a_cold_start(tmp_path, fixed_sources):
+    """The graph passes' switches are part of the compile cache key: a start with another set compiles other graphs,
+    so it gets its own directory and reports itself cold (not warm from the first set's artifacts)."""
+    seen = []
+    for fold in (True, False):
+        model = make_llama(seed=0)
+        accelerate_model(model, compile=True, num_kv_blocks=64,
+                         config=AccelConfig(compile_cache_dir=str(tmp_path), fold_norms=fold))
+        try:
+            seen.append(engine_info(model)["compile_cache"])
+        finally:
+            restore(model)
+    assert seen[0]["dir"] != seen[1]["dir"] and not seen[0]["warm"] and not seen[1]["warm"]
+
+
 def test_changed_model_is_traced_again_not_served_the_stored_graph(tmp_path, fixed_sources):
     """The same config, but a norm's eps edited in place (not in the config): the stored graph baked the old eps,
     so it must not be used; the new trace is stored beside it."""

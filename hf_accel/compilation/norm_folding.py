@@ -10,10 +10,10 @@ the add goes into the op too and the op's second output stands for `h` everywher
 whose result feeds anything but one linear (Qwen3's q/k norms, a final norm followed by the logits' row selection)
 keep their Inductor kernels.
 
-Only rows of at most `MAX_FOLD_K` columns fold. Every program of the one-row GEMM reads the whole row (twice: for its
-sum of squares, then tile by tile) where the unfolded GEMM reads it once, and that cost grows with the row: on the
-H200, W1 rose from 1,024 to 1,086 tok/s with the fold at qwen3-0.6b's 1,024 columns and from 989 to 1,015 at
-llama-3.2-1b's 2,048 (same lease), but fell from 233 to 228 at llama-3.1-8b's 4,096 (another lease).
+By default only rows of at most `MAX_FOLD_K` columns fold: wider rows lost with the norm inside the one-row GEMM
+(`ops.norm_linear.MAX_ONE_ROW_NORM_K`), and keep Inductor's norm kernel. With a residual chain
+(`chain_residual_norms`, which takes only folded norms) every width folds: the chain normalizes from partial sums, at
+any width, and a folded op of a wider row runs its norm as a kernel of its own wherever it does not chain.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ import torch.fx
 from hf_accel.compilation.linear_packing import may_mutate
 from hf_accel.compilation.small_m_linear import ROUTED_DTYPES, static_weight
 from hf_accel.compilation.small_m_linear import example_value as _value
+from hf_accel.ops.norm_linear import MAX_ONE_ROW_NORM_K
 
-MAX_FOLD_K = 2048  # widest row (hidden size) whose norm folds into the linear after it; see the module docstring
+# widest row (hidden size) whose norm folds into the linear after it by default; see the module docstring
+MAX_FOLD_K = MAX_ONE_ROW_NORM_K
 _MUL = (operator.mul, torch.mul)
 _ADD = (operator.add, torch.add)
 
@@ -125,10 +127,9 @@ def _nodes_between(start: torch.fx.Node, end: torch.fx.Node) -> list[torch.fx.No
     return nodes
 
 
-def fold_norms_into_linears(gm: torch.fx.GraphModule) -> int:
+def fold_norms_into_linears(gm: torch.fx.GraphModule, any_width: bool = False) -> int:
     """Replace each LlamaRMSNorm (with its residual add) that feeds one `hf_accel::linear` by one op (module
-    docstring); returns how many were folded."""
-    import hf_accel.ops.norm_linear  # noqa: F401  (registers the ops)
+    docstring); returns how many were folded. `any_width`: rows wider than `MAX_FOLD_K` fold too (for a chain)."""
 
     folded = 0
     for node in list(gm.graph.nodes):
@@ -142,7 +143,7 @@ def fold_norms_into_linears(gm: torch.fx.GraphModule) -> int:
             continue
         h, g, eps, chain = match
         wv = _value(w)
-        if wv is None or wv.shape[-1] != _value(h).shape[-1] or wv.shape[-1] > MAX_FOLD_K:
+        if wv is None or wv.shape[-1] != _value(h).shape[-1] or (wv.shape[-1] > MAX_FOLD_K and not any_width):
             continue
         # the op runs at the linear's place: the add's result, which its second output replaces, must not be used
         # before that, and nothing in between may write a tensor (the norm and the add would read what it wrote)

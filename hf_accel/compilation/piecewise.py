@@ -590,7 +590,8 @@ class PiecewiseForward:
         if self.route_linears:
             self.stats.routed_linears = route_small_m_linears(gm, self.pdl)
             if self.fold_norms:
-                self.stats.folded_norms = fold_norms_into_linears(gm)
+                # a chain normalizes from partial sums at any width: with chains on, wide rows fold too
+                self.stats.folded_norms = fold_norms_into_linears(gm, any_width=self.chain_residual_norms)
             if self.gated_gemm:
                 self.stats.gated_linears = fuse_silu_mul_into_linears(gm)
             if self.fold_norms and self.chain_residual_norms:

@@ -463,7 +463,8 @@ class ModelRunner:
                 report = tune_linears(shapes, dtype, self.device, use_pdl=pdl, int8=int8, gated=gated,
                                       cache_dir=cache_path)
                 report["decisions"] = decisions_for(shapes, self.device, int8_key_dtype(dtype) if int8
-                                                    else gated_key_dtype(dtype) if gated else dtype)
+                                                    else gated_key_dtype(dtype) if gated else dtype,
+                                                    chain_tiles=bool(stats.chained_norms))
             except Exception as exc:
                 logger.warning("hf_accel: tuning the %s failed (%s: %s); %s run", what, type(exc).__name__, exc,
                                "the default int8 tiles" if int8 else "the linear and SiLU-and-mul kernels" if gated
@@ -528,9 +529,14 @@ class ModelRunner:
             t0 = time.perf_counter()
             phase("compile", "Dynamo trace, split at attention, Inductor; reused from the compile cache when warm")
             example = compile_example_tokens(len(self.input_ids))
+            # the graph passes' switches are part of the key: another set compiles other graphs, so a directory
+            # filled under one set must not report the next start with another as warm
             cache = self.compile_cache = setup_compile_cache(
-                cache_dir, model_config, dtype, sizes, extra={"device": str(self.device), "backend": self.backend.name,
-                                                              "compile_tokens": example})
+                cache_dir, model_config, dtype, sizes, extra={
+                    "device": str(self.device), "backend": self.backend.name, "compile_tokens": example,
+                    "passes": {"small_m_gemm": small_m_gemm and on_cuda, "pdl": pdl, "fold_norms": fold_norms,
+                               "gated_gemm": gated_gemm, "combo_kernels": combo_kernels,
+                               "chain_residual_norms": chain_residual_norms}})
             info["compile_cache"] = {"dir": str(cache.path) if cache.path else None, "warm": cache.warm}
             info["eager_precision_casts"] = eager_casts = quantizes_activations(self.model)
             trace_cache = None

@@ -44,11 +44,20 @@ M_BUCKETS = (1, 16, 64)
 # stand-alone gains were small (2-8 % on the 8B shapes) and the 8B W2 figure of the first H200 run with them fell
 # (not yet A/B-tested in one run), so only clear wins (qwen3-0.6b's narrow o/down projections: 12-25 %) are taken
 MIN_GAIN = {1: 0.03, 16: 0.03, 64: 0.10}
+# where the baseline won a bucket of 2+ rows, the best tensor-core tile is still remembered as that shape's "chain
+# tile" when it is at most CHAIN_SLACK and at most CHAIN_MAX_LOSS_S slower than the baseline: a residual chain
+# (`ops.residual_chain`) runs only where both of its linears are tiles of ours, and chaining saves a whole add +
+# RMSNorm kernel and its wait (about 1.5 us at one row on the H200, more at 64 rows), which a tile that gives away
+# less than that repays (qwen3-0.6b's q/k/v at 64 rows on the H100: our tile 8.5 % faster than cuBLAS, under
+# MIN_GAIN[64], so that chain did not run). The absolute cap keeps a large weight (an 8B gate/up: 10 % is ~7 us)
+# from trading more than the kernel saves
+CHAIN_SLACK = 0.10
+CHAIN_MAX_LOSS_S = 1e-6
 TUNE_FILE = "small_m_gemm.json"
 # part of every stored key: decisions of older candidate sets or thresholds are not reused (bump it when the
-# candidates, MIN_GAIN, the int8 tile rule `quantized_linear.default_config` or what is timed change; 3: split-K
-# candidates are timed with their reduction in the same launch, as engine steps run them)
-TUNE_VERSION = 4  # 4: the one-row kernel among the M = 1 candidates
+# candidates, MIN_GAIN, CHAIN_SLACK / CHAIN_MAX_LOSS_S, the int8 tile rule `quantized_linear.default_config` or what
+# is timed change; 3: split-K candidates are timed with their reduction in the same launch, as engine steps run them)
+TUNE_VERSION = 5  # 4: the one-row kernel among the M = 1 candidates; 5: chain tiles stored beside decisions
 # part of gated keys only (`gated_key_dtype`); 3: one-row candidates only at one row
 GATED_TUNE_VERSION = 3
 # the one-row (GEMV) kernel of `skinny_gemm` among the M = 1 candidates; HF_ACCEL_ONE_ROW_GEMM=0 leaves it out (the
@@ -60,6 +69,10 @@ ONE_ROW_TILES = ((2, 1024), (4, 512), (4, 1024), (8, 512), (16, 256), (16, 512))
 
 # (device index, dtype, n, k, has_bias, bucket) -> SkinnyConfig | None (None: cuBLAS); on disk the device is named
 _decisions: dict[tuple, object] = {}
+# the same keys -> the chain tile (see CHAIN_SLACK) of a shape whose decision is the baseline; on disk under the
+# decision's key + CHAIN_SUFFIX
+_chain_tiles: dict[tuple, object] = {}
+CHAIN_SUFFIX = "|chain"
 _lock = threading.Lock()
 
 
@@ -130,31 +143,42 @@ def _(x, weight, bias, use_pdl):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def tuned_config(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, m: int):
+def tuned_config(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, m: int,
+                 chain: bool = False):
     """The tuned tile config for a step of `m` rows (the decision of the smallest bucket >= m), or None: not tuned,
-    more rows than any bucket, or the baseline won. `dtype`: as in `decisions_for`."""
+    more rows than any bucket, or the baseline won. `dtype`: as in `decisions_for`. `chain`: for a linear of a
+    residual chain, where the baseline won, the shape's chain tile (`CHAIN_SLACK`) if it has one."""
     bucket = m_bucket(m)
-    return _decisions.get(_key(device, dtype, n, k, has_bias, bucket)) if bucket is not None else None
+    if bucket is None:
+        return None
+    key = _key(device, dtype, n, k, has_bias, bucket)
+    cfg = _decisions.get(key)
+    return _chain_tiles.get(key) if cfg is None and chain else cfg
 
 
 def clear_decisions() -> None:
     """Forget every tuning decision (tests; a process that changes GPUs)."""
     with _lock:
         _decisions.clear()
+        _chain_tiles.clear()
 
 
 def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device,
-                  dtype: torch.dtype | tuple) -> dict:
+                  dtype: torch.dtype | tuple, chain_tiles: bool = False) -> dict:
     """The current decision per (n, k, bias, bucket): a config dict, or "cublas" for the baseline (missing: never
-    tuned). `dtype`: the activations' dtype, or `int8_key_dtype(dtype)` for int8 weights (baseline: the tile rule)."""
+    tuned); with `chain_tiles` (a model with residual chains), also under the same name + ":chain" the chain tile of a
+    baseline decision that has one. `dtype`: the activations' dtype, or `int8_key_dtype(dtype)` for int8 weights
+    (baseline: the tile rule)."""
     out = {}
     for n, k, has_bias in shapes:
         for b in M_BUCKETS:
             key = _key(device, dtype, n, k, has_bias, b)
             if key in _decisions:
                 cfg = _decisions[key]
-                out[f"{n}x{k}{'+b' if has_bias else ''}@m{b}"] = (
-                    asdict(cfg) if cfg is not None else _baseline_name(dtype))
+                name = f"{n}x{k}{'+b' if has_bias else ''}@m{b}"
+                out[name] = asdict(cfg) if cfg is not None else _baseline_name(dtype)
+                if chain_tiles and key in _chain_tiles:
+                    out[name + ":chain"] = asdict(_chain_tiles[key])
     return out
 
 
@@ -239,12 +263,13 @@ def time_in_graph(fn, reps: int = 16, samples: int = 5) -> float:
 
 def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, device: torch.device,
               use_pdl: bool, scratch_bytes: int, int8: bool = False, gated: bool = False):
-    """Time the baseline and the candidates for one weight shape at M = bucket; the winner's config, or None (the
-    baseline). bf16 / fp16 weights: the baseline is cuBLAS. int8 weights (`int8`, one scale per row): the baseline is
+    """Time the baseline and the candidates for one weight shape at M = bucket: (the winner's config or None (the
+    baseline), the baseline's seconds, the best candidate's seconds, the chain tile or None (`CHAIN_SLACK`)).
+    bf16 / fp16 weights: the baseline is cuBLAS. int8 weights (`int8`, one scale per row): the baseline is
     `quantized_linear.default_config`'s tile rule, since no cuBLAS path reads int8 weights with bf16 activations.
     `gated` (a gate/up weight, `n` its rows): the candidates apply the SiLU gate in their epilogue, the baseline is
     what `ops.gated_linear` runs without a decision: the plain linear's decision, then the SiLU-and-mul kernel."""
-    from hf_accel.ops.skinny_gemm import skinny_linear
+    from hf_accel.ops.skinny_gemm import can_chain, skinny_linear
 
     wdtype = torch.int8 if int8 else dtype
     nbytes = n * k * torch.empty((), dtype=wdtype).element_size()
@@ -261,7 +286,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     # counter per column tile of the narrowest candidate (fewer would time the reduce kernel instead)
     candidates = _gated_candidates(bucket, k) if gated else _candidates_for(bucket, k, int8)
     if not candidates:  # e.g. gated at one row with the one-row kernel switched off: the baseline
-        return None, 0.0, 0.0
+        return None, 0.0, 0.0, None
     out_n = n // 2 if gated else n
     # enough counters for the candidates' column tiles and for the gated baseline's plain linear over all n rows
     plain_cfg = _decisions.get(_key(device, dtype, n, k, False, bucket)) if gated else None
@@ -302,6 +327,7 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
         baseline = cycling(lambda w: F.linear(x, w, bias))
     best_cfg, best_t = None, time_in_graph(baseline)
     base_t = best_t
+    tile, tile_t = None, float("inf")  # the fastest tile a chain can run
     for cfg in candidates:
         try:
             out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale, counters=counters,
@@ -317,9 +343,14 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
             continue
         if t < best_t:
             best_cfg, best_t = cfg, t
+        # a tile a chain can run in either place (the first linear's is the stricter rule)
+        if t < tile_t and can_chain(cfg, bucket, k, out_n, counters, residual=True):
+            tile, tile_t = cfg, t
     if best_cfg is not None and best_t > base_t * (1.0 - MIN_GAIN[bucket]):
         best_cfg = None
-    return best_cfg, base_t, best_t
+    chain_tile = (tile if best_cfg is None and bucket > 1 and not int8
+                  and tile_t <= min(base_t * (1.0 + CHAIN_SLACK), base_t + CHAIN_MAX_LOSS_S) else None)
+    return best_cfg, base_t, best_t, chain_tile
 
 
 def _candidates_for(bucket: int, k: int, int8: bool, one_row_only: bool = False) -> list:
@@ -403,6 +434,9 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
                     elif skey in stored:
                         entry = stored[skey]
                         cfg = _decisions[key] = SkinnyConfig(**entry) if isinstance(entry, dict) else None
+                        chain_entry = stored.get(skey + CHAIN_SUFFIX)
+                        if isinstance(chain_entry, dict):
+                            _chain_tiles[key] = SkinnyConfig(**chain_entry)
                         report["from_cache"] += 1
                     else:
                         pending.append((n, k, has_bias, bucket))
@@ -411,11 +445,18 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
             if pending:
                 report["build"] = build_candidates(pending, dtype, use_pdl, int8, device, gated)
             for n, k, has_bias, bucket in pending:
-                cfg, base_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes, int8,
-                                                gated)
-                stored[_stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl)] = (
-                    asdict(cfg) if cfg is not None else None)
-                _decisions[_key(device, key_dtype, n, k, has_bias, bucket)] = cfg
+                cfg, base_t, best_t, chain_tile = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl,
+                                                            scratch_bytes, int8, gated)
+                skey = _stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl)
+                stored[skey] = asdict(cfg) if cfg is not None else None
+                key = _key(device, key_dtype, n, k, has_bias, bucket)
+                _decisions[key] = cfg
+                if chain_tile is not None:
+                    stored[skey + CHAIN_SUFFIX] = asdict(chain_tile)
+                    _chain_tiles[key] = chain_tile
+                else:  # no stale tile of an earlier timing stays beside the new decision
+                    stored.pop(skey + CHAIN_SUFFIX, None)
+                    _chain_tiles.pop(key, None)
                 tuned += 1
                 report["ours" if cfg is not None else baseline] += 1
                 logger.debug("small-M GEMM %dx%d%s m<=%d: %s %.2f us, best %.2f us -> %s", n, k,

@@ -4,10 +4,11 @@ In a decode step at batch 1, the residual add and the RMSNorm before the q/k/v a
 Inductor kernel each: a launch, a wait for the GEMM before it, a row read and a row written, about 1.5 us on the H200
 for 4 KB of work, twice per layer. The compile pass `compilation.norm_folding` hands such a pair (the norm's input,
 or the two addends of the add before it, the norm's weight and epsilon, and the linear) to these ops instead. At run
-time, with one row and a weight shape whose tuned M = 1 decision is the one-row GEMM kernel, the op is that kernel
-normalizing its own input (`skinny_gemm.norm_linear_fused`): the norm kernel is gone. Everywhere else (more rows,
-another decision, CPU) it runs the add and the norm as one kernel (`fused_kernels.add_rms_norm` on CUDA, torch's ops
-on CPU), as Inductor did, then what `hf_accel::linear` runs.
+time, with one row of at most `MAX_ONE_ROW_NORM_K` columns and a weight shape whose tuned M = 1 decision is the
+one-row GEMM kernel, the op is that kernel normalizing its own input (`skinny_gemm.norm_linear_fused`): the norm
+kernel is gone. Everywhere else (more rows, a wider row, another decision, CPU) it runs the add and the norm as one
+kernel (`fused_kernels.add_rms_norm` on CUDA, torch's ops on CPU), as Inductor did, then what `hf_accel::linear`
+runs.
 
 Numerics: each form rounds where the eager LlamaRMSNorm rounds (the sum to the activations' dtype, the normalized row
 to it, then the product with the weight), so the GEMM reads the bits the stock module would give it, up to the order
@@ -25,13 +26,20 @@ from hf_accel.ops.linear import kernel_operands, run_linear, tuned_config
 
 # the Triton kernel modules (skinny_gemm, fused_kernels) import triton: they are imported where first used
 
+# widest row (hidden size) the one-row GEMM normalizes itself. Every program of that kernel reads the whole row
+# (twice: for its sum of squares, then tile by tile) where the unfolded GEMM reads it once, and that cost grows with
+# the row: on the H200, W1 rose from 1,024 to 1,086 tok/s with the fold at qwen3-0.6b's 1,024 columns and from 989 to
+# 1,015 at llama-3.2-1b's 2,048 (same lease), but fell from 233 to 228 at llama-3.1-8b's 4,096 (another lease).
+# Wider rows take the unfused path (`compilation.norm_folding` folds them only for a residual chain)
+MAX_ONE_ROW_NORM_K = 2048
+
 
 def _fused_config(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None):
     """The one-row GEMM config that runs this call with the norm inside it, or None (the unfused path)."""
     k = x.shape[-1]
-    if not (kernel_operands(x, weight, bias) and k and x.numel() == k and norm_weight.dtype == x.dtype
-            and (residual is None or residual.dtype == x.dtype)):
+    if not (kernel_operands(x, weight, bias) and 0 < k <= MAX_ONE_ROW_NORM_K and x.numel() == k
+            and norm_weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)):
         return None
     cfg = tuned_config(x.device, x.dtype, weight.shape[0], weight.shape[1], bias is not None, 1)
     return cfg if cfg is not None and cfg.gemv else None

@@ -7,7 +7,8 @@ are already part of the second linear's op; at one row that op normalizes inside
 program cannot normalize a row it has not summed, and summing 64 whole rows in every program costs more than the
 kernel. The compile pass `compilation.norm_folding.chain_residual_norms` hands the first linear to the op too, and
 at run time, where both linears' tuned decisions for the step's row count are tensor-core tiles of the small-M GEMM
-(`ops.linear.tune_linears`), the chain is two launches instead of three:
+(`ops.linear.tune_linears`; where cuBLAS won narrowly, the shape's chain tile, `ops.linear.CHAIN_SLACK`), the chain is
+two launches instead of three:
 
 - the first GEMM's epilogue adds the residual to its rounded output, stores that sum `h` (the residual stream the
   layer continues with) and each column tile's float32 sums of squares of its rows of `h`
@@ -32,8 +33,6 @@ from hf_accel.ops.gated_linear import run_gated
 from hf_accel.ops.linear import gated_key_dtype, kernel_operands, run_linear, tuned_config
 from hf_accel.ops.norm_linear import run_norm_linear
 
-MAX_SS_TILES = 256  # column tiles of the first linear whose partial sums the second one reads (hidden / block_n)
-
 
 def chain_configs(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, residual: torch.Tensor,
                   norm_weight: torch.Tensor, weight2: torch.Tensor, bias2: torch.Tensor | None, gated: bool,
@@ -47,12 +46,11 @@ def chain_configs(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | 
     n = weight1.shape[0]
     if m < 2 or residual.dtype != x.dtype or norm_weight.dtype != x.dtype or weight2.shape[1] != n:
         return None  # one row: the one-row GEMM normalizes its input itself (ops.norm_linear)
-    cfg1 = tuned_config(x.device, x.dtype, n, k, bias1 is not None, m)
-    if (cfg1 is None or -(-n // cfg1.block_n) > MAX_SS_TILES
-            or not skinny_gemm.can_chain(cfg1, m, k, n, counters, residual=True)):
+    cfg1 = tuned_config(x.device, x.dtype, n, k, bias1 is not None, m, chain=True)
+    if cfg1 is None or not skinny_gemm.can_chain(cfg1, m, k, n, counters, residual=True):
         return None
     key = gated_key_dtype(x.dtype) if gated else x.dtype
-    cfg2 = tuned_config(x.device, key, weight2.shape[0], n, bias2 is not None, m)
+    cfg2 = tuned_config(x.device, key, weight2.shape[0], n, bias2 is not None, m, chain=True)
     if cfg2 is None or not skinny_gemm.can_chain(cfg2, m, n, weight2.shape[0], counters, residual=False):
         return None
     return cfg1, cfg2

@@ -47,6 +47,9 @@ from hf_accel.ops.triton_build import launcher, settle_cache_keys
 
 MAX_M = 64  # rows this kernel is meant for; above it cuBLAS's large-M tiles win
 MAX_NORM_BLOCK = 4096  # columns of the row a normalizing one-row GEMM sums at a time (`_row_rstd`)
+# column tiles of a chain's first linear whose partial sums of squares the second one reads in one block
+# (`norm_partials_linear`): hidden / block_n
+MAX_SS_TILES = 256
 
 
 @dataclass(frozen=True)
@@ -447,12 +450,14 @@ _NO_CHAIN = ChainArgs()
 def can_chain(config: SkinnyConfig, m: int, k: int, n: int, counters: torch.Tensor | None,
               residual: bool) -> bool:
     """Whether `m` rows of a `[n, k]` weight can run in a chained launch of `config`: a tensor-core tile holding the
-    rows; for the first linear's residual epilogue (`residual`), in the GEMM kernel itself: one K split, or a counter
-    per column tile (the splits reduced in the same launch)."""
+    rows; for the first linear's residual epilogue (`residual`), at most MAX_SS_TILES column tiles, in the GEMM kernel
+    itself: one K split, or a counter per column tile (the splits reduced in the same launch)."""
     if config.gemv or not 0 < m <= config.block_m:
         return False
-    return (not residual or _split(k, config)[1] == 1
-            or (counters is not None and counters.numel() >= triton.cdiv(n, config.block_n)))
+    if not residual:
+        return True
+    tiles = triton.cdiv(n, config.block_n)
+    return tiles <= MAX_SS_TILES and (_split(k, config)[1] == 1 or (counters is not None and counters.numel() >= tiles))
 
 
 def linear_add_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
