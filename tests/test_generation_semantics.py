@@ -23,6 +23,7 @@ from conftest import (
     left_pad,
     make_llama,
     run_requests,
+    small_stock_cb,
     stock_processors,
 )
 from transformers import (
@@ -902,8 +903,8 @@ def test_generate_batch_names_forked_requests_like_stock(stock_model, accel_mode
     gc = GenerationConfig(max_new_tokens=4, do_sample=True, num_return_sequences=2, eos_token_id=EOS_ID,
                           pad_token_id=PAD_ID)
     prompts = [list(p) for p in PROMPTS]
-    stock = stock_model.generate_batch(prompts, generation_config=gc)
-    ours = accel_model.generate_batch(prompts, generation_config=gc)
+    stock = stock_model.generate_batch(prompts, generation_config=gc, continuous_batching_config=small_stock_cb())
+    ours = accel_model.generate_batch(prompts, generation_config=gc, continuous_batching_config=small_stock_cb())
     assert set(ours) == set(stock)
     for key, out in ours.items():
         assert out.prompt_ids == stock[key].prompt_ids  # every name maps to the same input as in stock

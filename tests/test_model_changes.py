@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from conftest import PROMPTS, left_pad, make_llama
+from conftest import PROMPTS, left_pad, make_llama, small_stock_cb
 
 from hf_accel import accelerate_model, restore
 from hf_accel.api import engine_info
@@ -661,8 +661,8 @@ def test_copies_and_pickles_of_an_accelerated_model_are_stock():
     accel = accelerate_model(copy.deepcopy(stock))
     run(accel)
     prompts = [PROMPTS[0], PROMPTS[1]]
-    want = stock.generate_batch(prompts, max_new_tokens=4)
-    got = copy.deepcopy(accel).generate_batch(prompts, max_new_tokens=4)
+    want = stock.generate_batch(prompts, max_new_tokens=4, continuous_batching_config=small_stock_cb())
+    got = copy.deepcopy(accel).generate_batch(prompts, max_new_tokens=4, continuous_batching_config=small_stock_cb())
     assert [got[k].generated_tokens for k in sorted(got)] == [want[k].generated_tokens for k in sorted(want)]
     loaded = pickle.loads(pickle.dumps(accel))
     assert loaded.__dict__.get("_hf_accel_state") is None
