@@ -269,3 +269,48 @@ class AccelConfig:
                 cfg.piecewise_capture_sizes = thinned_capture_sizes(cfg.cudagraph_capture_sizes)
                 cfg._piecewise_sizes_derived = True
         return cfg
+
+
+# AccelConfig's on/off optimisations that the command lines (`hf-accel bench`, `hf-accel serve`) offer as `--name` /
+# `--no-name` (unset: AccelConfig's default), each with its help text: one flag turns one optimisation off for an
+# A/B, or works around it where it misbehaves
+CLI_SWITCHES: dict[str, str] = {
+    "pdl": "programmatic dependent launch (default: on where supported); --no-pdl for the A/B",
+    "small_m_gemm": "the tuned small-M GEMM for decode linears (default: on); --no-small-m-gemm for the A/B",
+    "fused_split_reductions": "split-KV attention and split-K GEMMs reduce in the same launch (default: on); "
+                              "--no-fused-split-reductions for the A/B",
+    "decode_attention_kernel": "the triton backend's decode kernel for every decode batch (default: on); "
+                               "--no-decode-attention-kernel runs wide decode batches through the unified kernel",
+    "decode_longest_first": "a wide decode batch's attention programs start with the longest contexts (default: "
+                            "on); --no-decode-longest-first launches them in batch order",
+    "split_mixed_attention": "a mixed step's leading decode rows run the decode kernel, the rest the unified kernel "
+                             "(default: on; triton backend); --no-split-mixed-attention: one launch",
+    "graph_greedy_argmax": "full decode graphs end with the greedy argmax (default: on); --no-graph-greedy-argmax "
+                           "leaves it to the sampler after the graph",
+    "fold_norms": "RMSNorms (and the residual add before them) run inside the one-row GEMM after them at batch 1 "
+                  "(default: on); --no-fold-norms keeps Inductor's norm kernels",
+    "gated_gemm": "a gated MLP's SiLU-and-mul runs in its gate/up GEMM's epilogue where warm-up timed it faster "
+                  "(default: on); --no-gated-gemm keeps the linear and Inductor's activation kernel",
+    "chain_residual_norms": "at 2-64 rows, the linear before a residual add and RMSNorm adds the residual and sums "
+                            "the squares in its epilogue, and the linear after normalizes its input: no norm kernel "
+                            "(default: off until measured on a GPU); --no-chain-residual-norms for the A/B",
+    "combo_kernels": "Inductor launches each compiled piece's independent GPU kernels together, up to eight per "
+                     "launch (default: on); --no-combo-kernels for the A/B",
+    "reuse_traced_graph": "read the traced forward back from the compile cache (default: on); "
+                          "--no-reuse-traced-graph traces every start",
+}
+
+
+def add_switch_arguments(group) -> None:
+    """Add `CLI_SWITCHES` to an argparse parser or argument group, each defaulting to None (unset)."""
+    import argparse
+
+    assert set(CLI_SWITCHES) <= {f.name for f in fields(AccelConfig)}, "a switch that AccelConfig does not have"
+    for name, text in CLI_SWITCHES.items():
+        group.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None,
+                           help=text)
+
+
+def switch_values(args) -> dict[str, bool]:
+    """The `CLI_SWITCHES` the command line set (name -> value), for AccelConfig(**...)."""
+    return {name: getattr(args, name) for name in CLI_SWITCHES if getattr(args, name, None) is not None}

@@ -555,6 +555,29 @@ def test_stop_strings_are_held_back_and_cut():
 
 # -- the command line ----------------------------------------------------------------------------------------------
 
+def test_cli_passes_the_optimisation_switches_to_accelerate_model(ckpt, stock):
+    """`hf-accel serve --no-fold-norms --chain-residual-norms ...` reaches AccelConfig as `hf-accel bench` does; an
+    unset switch keeps the library's default."""
+    import argparse
+
+    from hf_accel.config import CLI_SWITCHES, AccelConfig
+    from hf_accel.serve import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    defaults = AccelConfig()
+    args = parser.parse_args([str(ckpt), "--device", "cpu", "--no-compile", "--no-fold-norms",
+                              "--chain-residual-norms"])
+    model, tok = serve_cli.load(args)
+    cfg = model._hf_accel_state.config
+    assert cfg.fold_norms is False and cfg.chain_residual_norms is True
+    assert all(getattr(cfg, n) == getattr(defaults, n) for n in CLI_SWITCHES if n not in ("fold_norms",
+                                                                                        "chain_residual_norms"))
+    ids = tok("hello world", return_tensors="pt").input_ids
+    want = stock.model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), want)
+
+
 def test_cli_serves_and_exits_cleanly_on_sigterm(ckpt, stock):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from hf_accel.config import add_switch_arguments
+
 from .anchors import ANCHOR_NAMES, anchor_calls, measure_anchors
 from .environment import _api, _engine_info, _jsonable, accel_kwargs, environment, resolved_accel_config
 from .guard import GUARD_SEED_BASE, guard_cases, run_guard
@@ -196,41 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--max-num-seqs", type=int, default=None)
     a.add_argument("--max-num-batched-tokens", type=int, default=None)
     a.add_argument("--no-prefix-caching", action="store_true")
-    a.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
-                   help="programmatic dependent launch (default: on where supported); --no-pdl for the A/B")
-    a.add_argument("--small-m-gemm", action=argparse.BooleanOptionalAction, default=None,
-                   help="the tuned small-M GEMM for decode linears (default: on); --no-small-m-gemm for the A/B")
-    a.add_argument("--fused-split-reductions", action=argparse.BooleanOptionalAction, default=None,
-                   help="split-KV attention and split-K GEMMs reduce in the same launch (default: on); "
-                        "--no-fused-split-reductions for the A/B")
-    a.add_argument("--decode-attention-kernel", action=argparse.BooleanOptionalAction, default=None,
-                   help="the triton backend's decode kernel for every decode batch (default: on); "
-                        "--no-decode-attention-kernel runs wide decode batches through the unified kernel")
-    a.add_argument("--decode-longest-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="a wide decode batch's attention programs start with the longest contexts (default: on); "
-                        "--no-decode-longest-first launches them in batch order")
-    a.add_argument("--split-mixed-attention", action=argparse.BooleanOptionalAction, default=None,
-                   help="a mixed step's leading decode rows run the decode kernel, the rest the unified kernel "
-                        "(default: on; triton backend); --no-split-mixed-attention: one launch")
-    a.add_argument("--graph-greedy-argmax", action=argparse.BooleanOptionalAction, default=None,
-                   help="full decode graphs end with the greedy argmax (default: on); --no-graph-greedy-argmax "
-                        "leaves it to the sampler after the graph")
-    a.add_argument("--fold-norms", action=argparse.BooleanOptionalAction, default=None,
-                   help="RMSNorms (and the residual add before them) run inside the one-row GEMM after them at "
-                        "batch 1 (default: on); --no-fold-norms keeps Inductor's norm kernels")
-    a.add_argument("--gated-gemm", action=argparse.BooleanOptionalAction, default=None,
-                   help="a gated MLP's SiLU-and-mul runs in its gate/up GEMM's epilogue where warm-up timed it "
-                        "faster (default: on); --no-gated-gemm keeps the linear and Inductor's activation kernel")
-    a.add_argument("--chain-residual-norms", action=argparse.BooleanOptionalAction, default=None,
-                   help="at 2-64 rows, the linear before a residual add and RMSNorm adds the residual and sums the "
-                        "squares in its epilogue, and the linear after normalizes its input: no norm kernel "
-                        "(default: off until measured on a GPU); --no-chain-residual-norms for the A/B")
-    a.add_argument("--combo-kernels", action=argparse.BooleanOptionalAction, default=None,
-                   help="Inductor launches each compiled piece's independent GPU kernels together, up to eight per "
-                        "launch (default: on); --no-combo-kernels for the A/B")
-    a.add_argument("--reuse-traced-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="read the traced forward back from the compile cache (default: on); "
-                        "--no-reuse-traced-graph traces every start")
+    add_switch_arguments(a)  # --[no-]pdl, --[no-]small-m-gemm, ... (config.CLI_SWITCHES)
 
     o = parser.add_argument_group("output")
     o.add_argument("--json", default=None, metavar="PATH", help="write every raw figure here")

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from hf_accel.config import switch_values
+
 
 # ------------------------------------------------------------------------------------------------- environment
 def library_versions() -> dict[str, str]:
@@ -109,7 +111,7 @@ def accel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[name] = getattr(args, name)
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
-    switches = {name: getattr(args, name) for name in _SWITCHES if getattr(args, name) is not None}
+    switches: dict[str, Any] = switch_values(args)
     if getattr(args, "piecewise_capture_sizes", None):
         switches["piecewise_capture_sizes"] = [int(s) for s in args.piecewise_capture_sizes.split(",") if s.strip()]
     if switches:  # AccelConfig fields without a keyword of their own in accelerate_model
@@ -117,12 +119,6 @@ def accel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
         kw["config"] = AccelConfig(**switches)
     return kw
-
-
-# AccelConfig switches with a --flag / --no-flag option of the same name
-_SWITCHES = ("pdl", "small_m_gemm", "fused_split_reductions", "decode_attention_kernel", "decode_longest_first",
-             "split_mixed_attention", "reuse_traced_graph", "graph_greedy_argmax", "fold_norms", "gated_gemm",
-             "combo_kernels", "chain_residual_norms")
 
 
 def _accel_argv(args: argparse.Namespace) -> list[str]:
@@ -148,10 +144,9 @@ def _accel_argv(args: argparse.Namespace) -> list[str]:
             argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
-    for name in _SWITCHES:
-        if getattr(args, name) is not None:
-            flag = name.replace("_", "-")
-            argv.append(f"--{flag}" if getattr(args, name) else f"--no-{flag}")
+    for name, on in switch_values(args).items():
+        flag = name.replace("_", "-")
+        argv.append(f"--{flag}" if on else f"--no-{flag}")
     return argv
 
 

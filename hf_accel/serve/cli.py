@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--cudagraph-mode", default=None, choices=_CUDAGRAPH_MODES)
     g.add_argument("--no-compile", action="store_true", help="no torch.compile (CUDA graphs stay, see README)")
+    from hf_accel.config import add_switch_arguments
+
+    add_switch_arguments(g)  # --[no-]pdl, --[no-]small-m-gemm, ... as `hf-accel bench` takes them
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -49,7 +52,8 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
     import transformers
 
-    from hf_accel import accelerate_model
+    from hf_accel import AccelConfig, accelerate_model
+    from hf_accel.config import switch_values
 
     sharded = world_size() > 1  # under torchrun: transformers places each rank's shard, --device does not apply
     if sharded and args.device:
@@ -66,7 +70,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                      block_size=args.block_size, cudagraph_mode=args.cudagraph_mode,
-                     compile=False if args.no_compile else None)
+                     compile=False if args.no_compile else None, config=AccelConfig(**switch_values(args)))
     return model, tokenizer
 
 
