@@ -152,8 +152,9 @@ def test_op_chains_only_where_both_decisions_are_tensor_core_tiles(monkeypatch):
     interpreter runs the kernels)."""
     decisions = {}
 
-    def decided(dev, key, n, k, bias, m, chain=False):
-        assert chain, "a chain's linears take chain tiles where the baseline won"
+    def decided(dev, key, n, k, bias, m, chain=""):
+        # a chain's linears take the chain tile of their place where the baseline won
+        assert chain == ("first" if n == n1 else "second"), (n, chain)
         return decisions.get((n, m_bucket(m)))
 
     monkeypatch.setattr(chain_op, "kernel_operands", lambda x, w, b: True)
@@ -205,20 +206,35 @@ def test_op_chains_only_where_both_decisions_are_tensor_core_tiles(monkeypatch):
 def test_tuner_keeps_a_chain_tile_where_the_baseline_wins_narrowly(monkeypatch, bucket, base_us, best, int8,
                                                                   decision, chain_tile):
     """`_tune_one` with its timings scripted (CPU, no graphs): the fastest tensor-core tile becomes the shape's chain
-    tile when the baseline won the bucket and the tile is at most CHAIN_SLACK and CHAIN_MAX_LOSS_S slower; never at
-    one row or for int8."""
+    tile, for both places in a chain, when the baseline won the bucket and the tile is at most CHAIN_SLACK and
+    CHAIN_MAX_LOSS_S slower; never at one row or for int8."""
     cands = linear_op._candidates_for(bucket, 128, int8)
     tiles = [c for c in cands if not c.gemv]
     fastest = tiles[len(tiles) // 2]
     base = base_us * 1e-6
-    times = {c: 2 * base for c in cands}
-    times[fastest] = best * base
+    _script_tuner_timings(monkeypatch, {fastest: best * base}, base, cands)
+    if int8:
+        rule = G.SkinnyConfig(bucket, 8, 8, 1)  # the int8 baseline: a tile rule that is no candidate (timed base)
+        assert rule not in cands
+        monkeypatch.setattr("hf_accel.ops.quantized_linear.default_config", lambda m, n, k, device: rule)
+    cfg, base_t, best_t, tile = linear_op._tune_one(64, 128, False, bucket, torch.float32, torch.device("cpu"),
+                                                    False, 1 << 16, int8)
+    assert base_t == base and best_t == min(best * base, base)
+    assert cfg == (fastest if decision else None)
+    assert tile == (linear_op.ChainTiles(fastest, fastest) if chain_tile else None)
+
+
+def _script_tuner_timings(monkeypatch, times: dict, base: float, cands) -> None:
+    """Fake the tuner's kernel and clock: each candidate in `times` takes that long, other candidates twice the
+    baseline's `base` seconds, the baseline `base`."""
+    times = {**{c: 2 * base for c in cands}, **times}
     last = {}
 
     def fake_skinny(x, w, bias, cfg, use_pdl, scale=None, counters=None, gated=False):
         last["cfg"] = cfg
         w = w.float() * scale[:, None].float() if scale is not None else w
-        return F.linear(x, w.to(x.dtype), bias)
+        y = F.linear(x, w.to(x.dtype), bias)
+        return F.silu(y[..., : y.shape[-1] // 2]) * y[..., y.shape[-1] // 2:] if gated else y
 
     def fake_time(fn):
         last["cfg"] = None
@@ -227,37 +243,52 @@ def test_tuner_keeps_a_chain_tile_where_the_baseline_wins_narrowly(monkeypatch, 
 
     monkeypatch.setattr("hf_accel.ops.skinny_gemm.skinny_linear", fake_skinny)
     monkeypatch.setattr(linear_op, "time_in_graph", fake_time)
-    if int8:
-        rule = G.SkinnyConfig(bucket, 8, 8, 1)  # the int8 baseline: a tile rule that is no candidate (timed base)
-        assert rule not in times
-        monkeypatch.setattr("hf_accel.ops.quantized_linear.default_config", lambda m, n, k, device: rule)
-    cfg, base_t, best_t, tile = linear_op._tune_one(64, 128, False, bucket, torch.float32, torch.device("cpu"),
-                                                    False, 1 << 16, int8)
-    assert base_t == base and best_t == min(best * base, base)
-    assert cfg == (fastest if decision else None)
-    assert tile == (fastest if chain_tile else None)
+    monkeypatch.setattr("hf_accel.ops.fused_kernels.silu_and_mul", lambda g, u, p: F.silu(g) * u)
+
+
+@pytest.mark.parametrize(("n", "gated"), [(6144, False), (28672, True)])  # llama-3.1-8b q/k/v and gate/up
+def test_a_tile_too_narrow_to_lead_a_chain_is_kept_for_the_second_place(monkeypatch, n, gated):
+    """A tile with more column tiles than the first linear's epilogue may store partial sums for
+    (`skinny_gemm.MAX_SS_TILES`) can still be a chain's second linear (q/k/v, gate/up): the tuner keeps it for that
+    place only, and a wider tile, slower but within the slack, for the first."""
+    bucket, k = 16, 128
+    cands = linear_op._gated_candidates(bucket, k) if gated else linear_op._candidates_for(bucket, k, False)
+    out_n = n // 2 if gated else n
+    narrow = next(c for c in cands if not c.gemv and c.split_k == 1 and -(-out_n // c.block_n) > G.MAX_SS_TILES)
+    wide = next(c for c in cands if not c.gemv and c.split_k == 1 and -(-out_n // c.block_n) <= G.MAX_SS_TILES)
+    base = 10e-6
+    _script_tuner_timings(monkeypatch, {narrow: 1.02 * base, wide: 1.06 * base}, base, cands)
+    monkeypatch.setattr(linear_op, "device_index", lambda device: 0)  # the gated baseline looks up the plain decision
+    cfg, _, _, tiles = linear_op._tune_one(n, k, False, bucket, torch.float32, torch.device("cpu"), False, 1 << 16,
+                                           False, gated)
+    assert cfg is None and tiles == linear_op.ChainTiles(first=wide, second=narrow)
+    assert G.can_chain(narrow, bucket, k, out_n, None, residual=False)
+    assert not G.can_chain(narrow, bucket, k, out_n, torch.zeros(4096, dtype=torch.int32), residual=True)
 
 
 def test_chain_tiles_are_stored_and_asked_for_by_chains_only(monkeypatch, tmp_path):
     """Chain tiles beside the decisions (timing faked): kept in memory and in the stored file, read back by a new
-    process, reported under ":chain", and given only to a caller that asks for a chain's linear."""
+    process, reported under ":chain-first" / ":chain-second", and given only to a caller that asks for a chain's
+    linear, the tile of its place."""
     cuda = stand_in_tuner_gpu(monkeypatch)
-    tile = G.SkinnyConfig(64, 64, 128, 1)
+    tile, narrow = G.SkinnyConfig(64, 64, 128, 1), G.SkinnyConfig(64, 16, 128, 1)
     monkeypatch.setattr(linear_op, "_tune_one", lambda n, k, b, bucket, *a: (
-        None, 2e-6, 1.9e-6, tile if bucket == 64 else None))
+        None, 2e-6, 1.9e-6, linear_op.ChainTiles(tile, narrow) if bucket == 64 else None))
     linear_op.clear_decisions()
     try:
         for _ in range(2):  # tuned, then (a new process) read back from the file
             linear_op.tune_linears([(64, 128, False)], torch.bfloat16, cuda, use_pdl=False, cache_dir=tmp_path)
             assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 40) is None
-            assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 40, chain=True) == tile
-            assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 16, chain=True) is None
+            assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 40, chain="first") == tile
+            assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 40, chain="second") == narrow
+            assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 16, chain="first") is None
             report = linear_op.decisions_for([(64, 128, False)], cuda, torch.bfloat16, chain_tiles=True)
-            assert report["64x128@m64"] == "cublas" and report["64x128@m64:chain"]["block_n"] == 64
-            assert "64x128@m16:chain" not in report
+            assert report["64x128@m64"] == "cublas" and report["64x128@m64:chain-first"]["block_n"] == 64
+            assert report["64x128@m64:chain-second"]["block_n"] == 16
+            assert not any(k.startswith("64x128@m16:chain") for k in report)
             # a model without chains reports the decisions only
             assert linear_op.decisions_for([(64, 128, False)], cuda, torch.bfloat16) == {
-                k: v for k, v in report.items() if not k.endswith(":chain")}
+                k: v for k, v in report.items() if ":chain" not in k}
             linear_op.clear_decisions()
             monkeypatch.setattr(linear_op, "_tune_one", lambda *a: pytest.fail("read back, not timed again"))
         # timed again (a new cache key, here: the stored decision dropped) without a chain tile: the old one goes
@@ -267,7 +298,7 @@ def test_chain_tiles_are_stored_and_asked_for_by_chains_only(monkeypatch, tmp_pa
         (tmp_path / linear_op.TUNE_FILE).write_text(json.dumps(stored))
         monkeypatch.setattr(linear_op, "_tune_one", lambda n, k, b, bucket, *a: (None, 2e-6, 3e-6, None))
         linear_op.tune_linears([(64, 128, False)], torch.bfloat16, cuda, use_pdl=False, cache_dir=tmp_path)
-        assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 40, chain=True) is None
+        assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 40, chain="first") is None
         assert skey not in json.loads((tmp_path / linear_op.TUNE_FILE).read_text())
     finally:
         linear_op.clear_decisions()

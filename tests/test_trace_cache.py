@@ -147,19 +147,24 @@ def test_warm_start_reads_the_stored_trace_and_binds_the_live_weights(tmp_path, 
     assert source == "dynamo" and torch.equal(got, want_other)
 
 
-def test_another_set_of_graph_passes_is_a_cold_start(tmp_path, fixed_sources):
-    """The graph passes' switches are part of the compile cache key: a start with another set compiles other graphs,
-    so it gets its own directory and reports itself cold (not warm from the first set's artifacts)."""
+def test_another_set_of_graph_passes_is_a_cold_start(tmp_path, fixed_sources, monkeypatch):
+    """The graph passes' switches and the eager precision casts (a model whose weights quantize their activations,
+    its config unchanged) are part of the compile cache key: a start with another setting compiles other graphs, so
+    it gets its own directory and reports itself cold (not warm from the first setting's artifacts)."""
+    import hf_accel.patches.quantization as quantization
+
     seen = []
-    for fold in (True, False):
+    for fold, casts in ((True, False), (False, False), (False, True)):
+        monkeypatch.setattr(quantization, "quantizes_activations", lambda model, casts=casts: casts)
         model = make_llama(seed=0)
         accelerate_model(model, compile=True, num_kv_blocks=64,
                          config=AccelConfig(compile_cache_dir=str(tmp_path), fold_norms=fold))
         try:
             seen.append(engine_info(model)["compile_cache"])
+            assert engine_info(model)["eager_precision_casts"] is casts
         finally:
             restore(model)
-    assert seen[0]["dir"] != seen[1]["dir"] and not seen[0]["warm"] and not seen[1]["warm"]
+    assert len({s["dir"] for s in seen}) == 3 and not any(s["warm"] for s in seen)
 
 
 def test_changed_model_is_traced_again_not_served_the_stored_graph(tmp_path, fixed_sources):

@@ -529,16 +529,18 @@ class ModelRunner:
             t0 = time.perf_counter()
             phase("compile", "Dynamo trace, split at attention, Inductor; reused from the compile cache when warm")
             example = compile_example_tokens(len(self.input_ids))
-            # the graph passes' switches are part of the key: another set compiles other graphs, so a directory
-            # filled under one set must not report the next start with another as warm
+            info["eager_precision_casts"] = eager_casts = quantizes_activations(self.model)
+            # what else decides the compiled graphs is part of the key: the graph passes' switches, eager precision
+            # casts (a torchao model quantized in place leaves the config as it was) and the TP size, so a directory
+            # filled under one setting does not report the next start with another as warm
             cache = self.compile_cache = setup_compile_cache(
                 cache_dir, model_config, dtype, sizes, extra={
                     "device": str(self.device), "backend": self.backend.name, "compile_tokens": example,
                     "passes": {"small_m_gemm": small_m_gemm and on_cuda, "pdl": pdl, "fold_norms": fold_norms,
                                "gated_gemm": gated_gemm, "combo_kernels": combo_kernels,
-                               "chain_residual_norms": chain_residual_norms}})
+                               "chain_residual_norms": chain_residual_norms},
+                    "eager_precision_casts": eager_casts, "tp_size": tp.size if tp is not None else 1})
             info["compile_cache"] = {"dir": str(cache.path) if cache.path else None, "warm": cache.warm}
-            info["eager_precision_casts"] = eager_casts = quantizes_activations(self.model)
             trace_cache = None
             if reuse_traced_graph and cache.path is not None and tp is None:  # a rank's graph may hold its rank
                 from hf_accel.compilation.trace_cache import TraceCache

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +45,16 @@ M_BUCKETS = (1, 16, 64)
 # stand-alone gains were small (2-8 % on the 8B shapes) and the 8B W2 figure of the first H200 run with them fell
 # (not yet A/B-tested in one run), so only clear wins (qwen3-0.6b's narrow o/down projections: 12-25 %) are taken
 MIN_GAIN = {1: 0.03, 16: 0.03, 64: 0.10}
-# where the baseline won a bucket of 2+ rows, the best tensor-core tile is still remembered as that shape's "chain
-# tile" when it is at most CHAIN_SLACK and at most CHAIN_MAX_LOSS_S slower than the baseline: a residual chain
+# where the baseline won a bucket of 2+ rows, the best tensor-core tiles are still remembered as that shape's "chain
+# tiles" when at most CHAIN_SLACK and at most CHAIN_MAX_LOSS_S slower than the baseline: a residual chain
 # (`ops.residual_chain`) runs only where both of its linears are tiles of ours, and chaining saves a whole add +
 # RMSNorm kernel and its wait (about 1.5 us at one row on the H200, more at 64 rows), which a tile that gives away
 # less than that repays (qwen3-0.6b's q/k/v at 64 rows on the H100: our tile 8.5 % faster than cuBLAS, under
 # MIN_GAIN[64], so that chain did not run). The absolute cap keeps a large weight (an 8B gate/up: 10 % is ~7 us)
-# from trading more than the kernel saves
+# from trading more than the kernel saves. A shape keeps one tile per place in a chain (`ChainTiles`): the first
+# linear's epilogue takes at most `skinny_gemm.MAX_SS_TILES` column tiles and splits K only with counters, the
+# second linear takes any tensor-core tile (an 8B gate/up's narrow tiles have more column tiles than the first may).
+# A split-K first tile needs the runner's counters: with AccelConfig(fused_split_reductions=False) it does not chain
 CHAIN_SLACK = 0.10
 CHAIN_MAX_LOSS_S = 1e-6
 TUNE_FILE = "small_m_gemm.json"
@@ -69,11 +73,20 @@ ONE_ROW_TILES = ((2, 1024), (4, 512), (4, 1024), (8, 512), (16, 256), (16, 512))
 
 # (device index, dtype, n, k, has_bias, bucket) -> SkinnyConfig | None (None: cuBLAS); on disk the device is named
 _decisions: dict[tuple, object] = {}
-# the same keys -> the chain tile (see CHAIN_SLACK) of a shape whose decision is the baseline; on disk under the
-# decision's key + CHAIN_SUFFIX
-_chain_tiles: dict[tuple, object] = {}
+# the same keys -> the ChainTiles (see CHAIN_SLACK) of a shape whose decision is the baseline; on disk under the
+# decision's key + CHAIN_SUFFIX, as {"first": config dict or None, "second": ...}
+_chain_tiles: dict[tuple, ChainTiles] = {}
 CHAIN_SUFFIX = "|chain"
 _lock = threading.Lock()
+CHAIN_PLACES = ("first", "second")
+
+
+class ChainTiles(NamedTuple):
+    """A shape's chain tiles (`CHAIN_SLACK`): for the chain's first linear (its epilogue adds the residual and stores
+    partial sums of squares) and for its second (it normalizes its input from them); None where no tile qualified."""
+
+    first: object
+    second: object
 
 
 def m_bucket(m: int) -> int | None:
@@ -144,31 +157,35 @@ def _(x, weight, bias, use_pdl):
 
 
 def tuned_config(device: torch.device, dtype: torch.dtype | tuple, n: int, k: int, has_bias: bool, m: int,
-                 chain: bool = False):
+                 chain: str = ""):
     """The tuned tile config for a step of `m` rows (the decision of the smallest bucket >= m), or None: not tuned,
-    more rows than any bucket, or the baseline won. `dtype`: as in `decisions_for`. `chain`: for a linear of a
-    residual chain, where the baseline won, the shape's chain tile (`CHAIN_SLACK`) if it has one."""
+    more rows than any bucket, or the baseline won. `dtype`: as in `decisions_for`. `chain` ("first" or "second"):
+    for that linear of a residual chain, where the baseline won, the shape's chain tile for that place
+    (`CHAIN_SLACK`) if it has one."""
     bucket = m_bucket(m)
     if bucket is None:
         return None
     key = _key(device, dtype, n, k, has_bias, bucket)
     cfg = _decisions.get(key)
-    return _chain_tiles.get(key) if cfg is None and chain else cfg
+    if cfg is not None or not chain:
+        return cfg
+    tiles = _chain_tiles.get(key)
+    return getattr(tiles, chain) if tiles is not None else None
 
 
 def clear_decisions() -> None:
     """Forget every tuning decision (tests; a process that changes GPUs)."""
     with _lock:
+        _chain_tiles.clear()  # first: a lock-free tuned_config(chain=...) never finds a tile without its decision
         _decisions.clear()
-        _chain_tiles.clear()
 
 
 def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device,
                   dtype: torch.dtype | tuple, chain_tiles: bool = False) -> dict:
     """The current decision per (n, k, bias, bucket): a config dict, or "cublas" for the baseline (missing: never
-    tuned); with `chain_tiles` (a model with residual chains), also under the same name + ":chain" the chain tile of a
-    baseline decision that has one. `dtype`: the activations' dtype, or `int8_key_dtype(dtype)` for int8 weights
-    (baseline: the tile rule)."""
+    tuned); with `chain_tiles` (a model with residual chains), also under the same name + ":chain-first" /
+    ":chain-second" the chain tiles of a baseline decision that has them. `dtype`: the activations' dtype, or
+    `int8_key_dtype(dtype)` for int8 weights (baseline: the tile rule)."""
     out = {}
     for n, k, has_bias in shapes:
         for b in M_BUCKETS:
@@ -177,8 +194,10 @@ def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device,
                 cfg = _decisions[key]
                 name = f"{n}x{k}{'+b' if has_bias else ''}@m{b}"
                 out[name] = asdict(cfg) if cfg is not None else _baseline_name(dtype)
-                if chain_tiles and key in _chain_tiles:
-                    out[name + ":chain"] = asdict(_chain_tiles[key])
+                tiles = _chain_tiles.get(key) if chain_tiles else None
+                for place in CHAIN_PLACES if tiles is not None else ():
+                    if getattr(tiles, place) is not None:
+                        out[f"{name}:chain-{place}"] = asdict(getattr(tiles, place))
     return out
 
 
@@ -264,7 +283,7 @@ def time_in_graph(fn, reps: int = 16, samples: int = 5) -> float:
 def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, device: torch.device,
               use_pdl: bool, scratch_bytes: int, int8: bool = False, gated: bool = False):
     """Time the baseline and the candidates for one weight shape at M = bucket: (the winner's config or None (the
-    baseline), the baseline's seconds, the best candidate's seconds, the chain tile or None (`CHAIN_SLACK`)).
+    baseline), the baseline's seconds, the best candidate's seconds, the ChainTiles or None (`CHAIN_SLACK`)).
     bf16 / fp16 weights: the baseline is cuBLAS. int8 weights (`int8`, one scale per row): the baseline is
     `quantized_linear.default_config`'s tile rule, since no cuBLAS path reads int8 weights with bf16 activations.
     `gated` (a gate/up weight, `n` its rows): the candidates apply the SiLU gate in their epilogue, the baseline is
@@ -327,7 +346,9 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
         baseline = cycling(lambda w: F.linear(x, w, bias))
     best_cfg, best_t = None, time_in_graph(baseline)
     base_t = best_t
-    tile, tile_t = None, float("inf")  # the fastest tile a chain can run
+    # the fastest tile a chain can run, per place in it (the first linear's is the stricter rule)
+    tile = {place: None for place in CHAIN_PLACES}
+    tile_t = {place: float("inf") for place in CHAIN_PLACES}
     for cfg in candidates:
         try:
             out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale, counters=counters,
@@ -343,14 +364,18 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
             continue
         if t < best_t:
             best_cfg, best_t = cfg, t
-        # a tile a chain can run in either place (the first linear's is the stricter rule)
-        if t < tile_t and can_chain(cfg, bucket, k, out_n, counters, residual=True):
-            tile, tile_t = cfg, t
+        for place in CHAIN_PLACES:
+            if t < tile_t[place] and can_chain(cfg, bucket, k, out_n, counters, residual=place == "first"):
+                tile[place], tile_t[place] = cfg, t
     if best_cfg is not None and best_t > base_t * (1.0 - MIN_GAIN[bucket]):
         best_cfg = None
-    chain_tile = (tile if best_cfg is None and bucket > 1 and not int8
-                  and tile_t <= min(base_t * (1.0 + CHAIN_SLACK), base_t + CHAIN_MAX_LOSS_S) else None)
-    return best_cfg, base_t, best_t, chain_tile
+    chain_tiles = None
+    if best_cfg is None and bucket > 1 and not int8:
+        limit = min(base_t * (1.0 + CHAIN_SLACK), base_t + CHAIN_MAX_LOSS_S)
+        chain_tiles = ChainTiles(*(tile[p] if tile_t[p] <= limit else None for p in CHAIN_PLACES))
+        if chain_tiles == ChainTiles(None, None):
+            chain_tiles = None
+    return best_cfg, base_t, best_t, chain_tiles
 
 
 def _candidates_for(bucket: int, k: int, int8: bool, one_row_only: bool = False) -> list:
@@ -434,9 +459,10 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
                     elif skey in stored:
                         entry = stored[skey]
                         cfg = _decisions[key] = SkinnyConfig(**entry) if isinstance(entry, dict) else None
-                        chain_entry = stored.get(skey + CHAIN_SUFFIX)
-                        if isinstance(chain_entry, dict):
-                            _chain_tiles[key] = SkinnyConfig(**chain_entry)
+                        entry = stored.get(skey + CHAIN_SUFFIX)
+                        if isinstance(entry, dict):
+                            _chain_tiles[key] = ChainTiles(*(SkinnyConfig(**entry[p]) if isinstance(
+                                entry.get(p), dict) else None for p in CHAIN_PLACES))
                         report["from_cache"] += 1
                     else:
                         pending.append((n, k, has_bias, bucket))
@@ -445,18 +471,18 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
             if pending:
                 report["build"] = build_candidates(pending, dtype, use_pdl, int8, device, gated)
             for n, k, has_bias, bucket in pending:
-                cfg, base_t, best_t, chain_tile = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl,
-                                                            scratch_bytes, int8, gated)
+                cfg, base_t, best_t, chain_tiles = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl,
+                                                             scratch_bytes, int8, gated)
                 skey = _stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl)
                 stored[skey] = asdict(cfg) if cfg is not None else None
                 key = _key(device, key_dtype, n, k, has_bias, bucket)
                 _decisions[key] = cfg
-                if chain_tile is not None:
-                    stored[skey + CHAIN_SUFFIX] = asdict(chain_tile)
-                    _chain_tiles[key] = chain_tile
-                else:  # no stale tile of an earlier timing stays beside the new decision
+                if chain_tiles is not None:
+                    stored[skey + CHAIN_SUFFIX] = {p: asdict(c) if c is not None else None
+                                                   for p, c in zip(CHAIN_PLACES, chain_tiles, strict=True)}
+                    _chain_tiles[key] = chain_tiles
+                else:  # no stale tiles of an earlier timing stay in the file beside the new decision
                     stored.pop(skey + CHAIN_SUFFIX, None)
-                    _chain_tiles.pop(key, None)
                 tuned += 1
                 report["ours" if cfg is not None else baseline] += 1
                 logger.debug("small-M GEMM %dx%d%s m<=%d: %s %.2f us, best %.2f us -> %s", n, k,

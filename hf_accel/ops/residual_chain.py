@@ -46,11 +46,11 @@ def chain_configs(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | 
     n = weight1.shape[0]
     if m < 2 or residual.dtype != x.dtype or norm_weight.dtype != x.dtype or weight2.shape[1] != n:
         return None  # one row: the one-row GEMM normalizes its input itself (ops.norm_linear)
-    cfg1 = tuned_config(x.device, x.dtype, n, k, bias1 is not None, m, chain=True)
+    cfg1 = tuned_config(x.device, x.dtype, n, k, bias1 is not None, m, chain="first")
     if cfg1 is None or not skinny_gemm.can_chain(cfg1, m, k, n, counters, residual=True):
         return None
     key = gated_key_dtype(x.dtype) if gated else x.dtype
-    cfg2 = tuned_config(x.device, key, weight2.shape[0], n, bias2 is not None, m, chain=True)
+    cfg2 = tuned_config(x.device, key, weight2.shape[0], n, bias2 is not None, m, chain="second")
     if cfg2 is None or not skinny_gemm.can_chain(cfg2, m, n, weight2.shape[0], counters, residual=False):
         return None
     return cfg1, cfg2
