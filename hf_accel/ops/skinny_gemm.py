@@ -48,8 +48,10 @@ from hf_accel.ops.triton_build import launcher, settle_cache_keys
 MAX_M = 64  # rows this kernel is meant for; above it cuBLAS's large-M tiles win
 MAX_NORM_BLOCK = 4096  # columns of the row a normalizing one-row GEMM sums at a time (`_row_rstd`)
 # column tiles of a chain's first linear whose partial sums of squares the second one reads in one block
-# (`norm_partials_linear`): hidden / block_n
-MAX_SS_TILES = 256
+# (`norm_partials_linear`): hidden / block_n. The block is [tiles, BLOCK_M] float32 in registers before its sum:
+# 64 tiles at 64 rows are 32 registers a thread at four warps, qwen3-0.6b's worst case (1,024 / 16); 256 would be
+# 128, enough to spill. An 8B's o_proj and down_proj (4,096 columns) chain with tiles of 64 columns or wider
+MAX_SS_TILES = 64
 
 
 @dataclass(frozen=True)
