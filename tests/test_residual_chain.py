@@ -64,7 +64,7 @@ def silu_mul(both: torch.Tensor, inter: int, dtype) -> torch.Tensor:
     (13, 80, 64, 40, 32, 1, 3, True, False),    # hidden not a multiple of the column tile: a partial last tile
     (7, 96, 80, 32, 32, 3, 1, True, True),      # uneven K in the first GEMM's fused three-way split
     (4, 40, 64, 24, 64, 1, 1, False, False),    # one column tile: one partial sum per row
-    (2, 1024, 32, 16, 16, 1, 1, False, False),  # MAX_SS_TILES (64) partial sums per row, a 1,024-column h
+    (2, 2048, 32, 16, 16, 1, 1, False, False),  # MAX_SS_TILES (128) partial sums per row, a 2,048-column h
 ])
 def test_chained_launches_give_the_residual_and_the_normed_product(dtype, m, n1, k1, n2, block_n1, split1, split2,
                                                                    bias, gated):

@@ -48,10 +48,11 @@ from hf_accel.ops.triton_build import launcher, settle_cache_keys
 MAX_M = 64  # rows this kernel is meant for; above it cuBLAS's large-M tiles win
 MAX_NORM_BLOCK = 4096  # columns of the row a normalizing one-row GEMM sums at a time (`_row_rstd`)
 # column tiles of a chain's first linear whose partial sums of squares the second one reads in one block
-# (`norm_partials_linear`): hidden / block_n. The block is [tiles, BLOCK_M] float32 in registers before its sum:
-# 64 tiles at 64 rows are 32 registers a thread at four warps, qwen3-0.6b's worst case (1,024 / 16); 256 would be
-# 128, enough to spill. An 8B's o_proj and down_proj (4,096 columns) chain with tiles of 64 columns or wider
-MAX_SS_TILES = 64
+# (`norm_partials_linear`): hidden / block_n. The block is [tiles, BLOCK_M] float32 in registers before its sum.
+# Compiled for sm_90a (examples/kernel_registers.py, Triton 3.9), the second launch of a 64-row 32-column tile needs
+# 135 registers for 64 or 128 tiles and 185 for 256 (251 against 227 for a 64-column tile). An 8B's o_proj and
+# down_proj (4,096 columns) chain with tiles of 32 columns or wider
+MAX_SS_TILES = 128
 
 
 @dataclass(frozen=True)
