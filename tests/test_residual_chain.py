@@ -250,15 +250,12 @@ def _script_tuner_timings(monkeypatch, times: dict, base: float, cands) -> None:
 def test_a_tile_too_narrow_to_lead_a_chain_is_kept_for_the_second_place(monkeypatch, n, gated):
     """A tile with more column tiles than the first linear's epilogue may store partial sums for
     (`skinny_gemm.MAX_SS_TILES`) can still be a chain's second linear (q/k/v, gate/up): the tuner keeps it for that
-    place only, and a wider tile, slower but within the slack, for the first (a gate/up as wide as an 8B's has none:
-    it never leads a chain)."""
+    place only, and a wider tile, slower but within the slack, for the first."""
     bucket, k = 16, 128
     cands = linear_op._gated_candidates(bucket, k) if gated else linear_op._candidates_for(bucket, k, False)
     out_n = n // 2 if gated else n
     narrow = next(c for c in cands if not c.gemv and c.split_k == 1 and -(-out_n // c.block_n) > G.MAX_SS_TILES)
-    wide = next((c for c in cands if not c.gemv and c.split_k == 1 and -(-out_n // c.block_n) <= G.MAX_SS_TILES),
-                None)
-    assert (wide is None) == gated
+    wide = next(c for c in cands if not c.gemv and c.split_k == 1 and -(-out_n // c.block_n) <= G.MAX_SS_TILES)
     base = 10e-6
     _script_tuner_timings(monkeypatch, {narrow: 1.02 * base, wide: 1.06 * base}, base, cands)
     monkeypatch.setattr(linear_op, "device_index", lambda device: 0)  # the gated baseline looks up the plain decision
