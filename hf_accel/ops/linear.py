@@ -71,22 +71,22 @@ ONE_ROW_GEMM = os.environ.get("HF_ACCEL_ONE_ROW_GEMM", "1").strip().lower() not 
 # the three bench shapes at M = 1) each shape's best one-row configuration had one split, at 2-16 rows per program
 ONE_ROW_TILES = ((2, 1024), (4, 512), (4, 1024), (8, 512), (16, 256), (16, 512))
 
-# (device index, dtype, n, k, has_bias, bucket) -> SkinnyConfig | None (None: cuBLAS); on disk the device is named
-_decisions: dict[tuple, object] = {}
-# the same keys -> the ChainTiles (see CHAIN_SLACK) of a shape whose decision is the baseline; on disk under the
-# decision's key + CHAIN_SUFFIX, as {"first": config dict or None, "second": ...}
-_chain_tiles: dict[tuple, ChainTiles] = {}
-CHAIN_SUFFIX = "|chain"
-_lock = threading.Lock()
-CHAIN_PLACES = ("first", "second")
-
-
 class ChainTiles(NamedTuple):
     """A shape's chain tiles (`CHAIN_SLACK`): for the chain's first linear (its epilogue adds the residual and stores
     partial sums of squares) and for its second (it normalizes its input from them); None where no tile qualified."""
 
     first: object
     second: object
+
+
+CHAIN_PLACES = ChainTiles._fields  # ("first", "second")
+# (device index, dtype, n, k, has_bias, bucket) -> SkinnyConfig | None (None: cuBLAS); on disk the device is named
+_decisions: dict[tuple, object] = {}
+# the same keys -> the ChainTiles of a shape whose decision is the baseline; on disk under the decision's key +
+# CHAIN_SUFFIX, as {"first": config dict or None, "second": ...}
+_chain_tiles: dict[tuple, ChainTiles] = {}
+CHAIN_SUFFIX = "|chain"
+_lock = threading.Lock()
 
 
 def m_bucket(m: int) -> int | None:
