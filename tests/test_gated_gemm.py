@@ -19,6 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 import hf_accel.ops.gated_linear as gated_op  # noqa: E402
+import hf_accel.ops.norm_linear as norm_op  # noqa: E402
 from hf_accel.compilation.gated_activation import fuse_silu_mul_into_linears  # noqa: E402
 from hf_accel.compilation.linear_packing import merge_packed_linears, pack_sibling_linears  # noqa: E402
 from hf_accel.compilation.norm_folding import fold_norms_into_linears  # noqa: E402
@@ -181,7 +182,7 @@ def test_op_follows_the_gated_decision(monkeypatch, rows, wide):
     dtype = torch.float16 if not ON_GPU else torch.bfloat16
     k, inter = 64, 32
     if wide:
-        monkeypatch.setattr(gated_op, "MAX_ONE_ROW_NORM_K", k // 2)
+        monkeypatch.setattr(norm_op, "MAX_ONE_ROW_NORM_K", k // 2)  # the limit both ops check (one_row_norm_fits)
     monkeypatch.setattr(gated_op, "kernel_operands", lambda x, w, b: True)
     monkeypatch.setattr(linear_op, "device_index", lambda device: 0)
     calls = []

@@ -130,7 +130,6 @@ def _nodes_between(start: torch.fx.Node, end: torch.fx.Node) -> list[torch.fx.No
 def fold_norms_into_linears(gm: torch.fx.GraphModule, any_width: bool = False) -> int:
     """Replace each LlamaRMSNorm (with its residual add) that feeds one `hf_accel::linear` by one op (module
     docstring); returns how many were folded. `any_width`: rows wider than `MAX_FOLD_K` fold too (for a chain)."""
-
     folded = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.hf_accel.linear.default:

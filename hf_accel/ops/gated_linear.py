@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from hf_accel.attention.context import split_k_counters
 from hf_accel.ops.linear import gated_key_dtype, kernel_operands, run_linear, tuned_config
-from hf_accel.ops.norm_linear import MAX_ONE_ROW_NORM_K, norm_unfused, run_norm_linear
+from hf_accel.ops.norm_linear import norm_unfused, one_row_norm_fits, run_norm_linear
 
 # the Triton kernel modules (skinny_gemm, fused_kernels) import triton: they are imported where first used
 
@@ -58,9 +58,7 @@ def run_gated(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     if cfg is not None:
         from hf_accel.ops import skinny_gemm
 
-        fold = (norm_weight is not None and cfg.gemv and x.numel() == x.shape[-1] <= MAX_ONE_ROW_NORM_K
-                and norm_weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype))
-        if fold:
+        if norm_weight is not None and cfg.gemv and one_row_norm_fits(x, residual, norm_weight):
             return skinny_gemm.norm_linear_fused(x, residual, norm_weight, eps, weight, None, cfg, use_pdl,
                                                  counters=split_k_counters(), gated=True)
         h = None

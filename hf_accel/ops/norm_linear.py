@@ -34,12 +34,18 @@ from hf_accel.ops.linear import kernel_operands, run_linear, tuned_config
 MAX_ONE_ROW_NORM_K = 2048
 
 
+def one_row_norm_fits(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor) -> bool:
+    """Whether a one-row GEMM can normalize this input itself: one row of at most `MAX_ONE_ROW_NORM_K` columns, the
+    norm's weight and the residual in the input's dtype (plain and gated linears alike)."""
+    k = x.shape[-1]
+    return (0 < k <= MAX_ONE_ROW_NORM_K and x.numel() == k and norm_weight.dtype == x.dtype
+            and (residual is None or residual.dtype == x.dtype))
+
+
 def _fused_config(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None):
     """The one-row GEMM config that runs this call with the norm inside it, or None (the unfused path)."""
-    k = x.shape[-1]
-    if not (kernel_operands(x, weight, bias) and 0 < k <= MAX_ONE_ROW_NORM_K and x.numel() == k
-            and norm_weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)):
+    if not (kernel_operands(x, weight, bias) and one_row_norm_fits(x, residual, norm_weight)):
         return None
     cfg = tuned_config(x.device, x.dtype, weight.shape[0], weight.shape[1], bias is not None, 1)
     return cfg if cfg is not None and cfg.gemv else None
