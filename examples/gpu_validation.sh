@@ -143,7 +143,8 @@ case "${1:-tests}" in
         --repeats 3 --"$f" --no-progress --json "$OUT/ab-$f.json" >"$OUT/ab-$f.log" 2>&1
       echo "== --$f"; grep -E "^W[12] " "$OUT/ab-$f.log" | cut -c1-110
       python3 -c "import json,sys; e=json.load(open(sys.argv[1]))['accel']['engine_info']; \
-print('chained', e.get('chained_norms'), {k: v if isinstance(v, str) else (v['block_n'], v['split_k']) \
+print('chained', e.get('chained_norms'), 'chain places timed', [(e.get(s) or {}).get('chain_places_timed') \
+for s in ('small_m_gemm', 'gated_gemm')], 'tune s', [e.get(s + '_s') for s in ('small_m_gemm', 'gated_gemm')], {k: v if isinstance(v, str) else (v['block_n'], v['split_k']) \
 for s in ('small_m_gemm', 'gated_gemm') for k, v in ((e.get(s) or {}).get('decisions') or {}).items() \
 if '@m64' in k})" "$OUT/ab-$f.json"
     done ;;

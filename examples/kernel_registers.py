@@ -3,10 +3,11 @@ tile of `hf_accel.ops.linear` compiled ahead of time for sm_90a (Triton's compil
 linear, as a residual chain's first linear (residual epilogue and partial sums of squares), as its second
 (normalizing prologue over 64, 128 or 256 partial sums; plain and gated).
 
-Why: the tuner times each tile as a plain linear, and a chain runs the same tile with more work in its prologue or
-epilogue; where that variant spills and the plain one does not, the chain launch is slower than what was timed.
-Register allocation depends on the Triton version: this machine's may differ from the GPU machine's, so read the
-figures as a guide, and check the tiles a chain uses on the GPU itself.
+Why: a chain runs a tile with more work in its prologue or epilogue than the plain linear; where that variant
+spills and the plain one does not, the chained launch is slower than the plain timing says. Session 38's output of
+this tool (examples/results/) found such tiles, and the tuner has since timed chain tiles as chained launches
+(`ops.linear._time_chain_tiles`). Register allocation depends on the Triton version: this machine's may differ from
+the GPU machine's, so read the figures as a guide.
 
     python examples/kernel_registers.py [--k 4096] [--buckets 16 64]
 """

@@ -338,7 +338,7 @@ def test_gated_decisions_are_kept_apart_from_the_plain_ones(monkeypatch, tmp_pat
 
     def fake_tune(n, k, has_bias, bucket, dtype, device, use_pdl, scratch, int8=False, gated=False):
         timed.append((n, k, bucket, gated))
-        return (won if bucket == 64 else None), 2e-6, 1e-6, None
+        return (won if bucket == 64 else None), 2e-6, 1e-6
 
     monkeypatch.setattr(linear_op, "_tune_one", fake_tune)
     linear_op.clear_decisions()
@@ -454,6 +454,6 @@ def test_gated_one_row_bucket_without_one_row_candidates_keeps_the_baseline(monk
     (no crash, and the other buckets are still tuned)."""
     monkeypatch.setattr(linear_op, "ONE_ROW_GEMM", False)
     assert linear_op._gated_candidates(1, 1024) == []
-    cfg, _, _, chain_tile = linear_op._tune_one(64, 1024, False, 1, torch.bfloat16, torch.device("cpu"), False,
-                                                1 << 20, gated=True)
-    assert cfg is None and chain_tile is None
+    cfg, _, _ = linear_op._tune_one(64, 1024, False, 1, torch.bfloat16, torch.device("cpu"), False, 1 << 20,
+                                    gated=True)
+    assert cfg is None

@@ -193,35 +193,107 @@ def test_op_chains_only_where_both_decisions_are_tensor_core_tiles(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------- chain tiles
-@pytest.mark.parametrize(("bucket", "base_us", "best", "int8", "decision", "chain_tile"), [
-    (64, 10, 0.95, False, False, True),   # faster, but by less than MIN_GAIN[64]: the baseline, and a chain tile
-    (64, 10, 1.05, False, False, True),   # slower, within CHAIN_SLACK and CHAIN_MAX_LOSS_S: still a chain tile
-    (64, 100, 1.05, False, False, False),  # within the slack, but 5 us slower: more than a norm kernel saves
-    (64, 10, 1.25, False, False, False),  # slower than the slack: neither
-    (64, 10, 0.80, False, True, False),   # a clear win: the decision itself (a chain uses it as it is)
-    (16, 10, 1.02, False, False, True),
-    (1, 10, 1.02, False, False, False),   # one row never chains
-    (64, 10, 1.05, True, False, False),   # int8 weights never chain
+def _script_chain_timings(monkeypatch, times: dict, base: float, wrong: dict | None = None) -> list:
+    """Fake the chained launches and the tuner's clock (CPU, no graphs): the chained launch of `cfg` in `place` takes
+    `times[(place, cfg)]` seconds (twice the baseline's `base` when absent), the baseline `base`; a (place, cfg) in
+    `wrong` computes wrongly, in the way named: "result" (its output), "lost-tile" (the first drops its last column
+    tile's sums of squares), "first-sum-only" (the second reads only the first tile's sums). The builds are
+    recorded in the list returned."""
+    last, built, wrong = {}, [], wrong or {}
+
+    def fake_first(x, w, bias, residual, cfg, use_pdl, counters=None):
+        last["run"] = ("first", cfg)
+        fault = wrong.get(("first", cfg))
+        h = (F.linear(x, w, bias) + residual) * (2 if fault == "result" else 1)
+        ss = linear_op._tile_sums_of_squares(h, cfg.block_n)
+        if fault == "lost-tile":
+            ss[-1] = 0
+        return h, ss
+
+    def fake_second(h, ss, g, eps, w, bias, cfg, use_pdl, counters=None, gated=False):
+        last["run"] = ("second", cfg)
+        fault = wrong.get(("second", cfg))
+        sums = ss[0] if fault == "first-sum-only" else ss.sum(0)
+        rstd = torch.rsqrt(sums[:, None] / h.shape[-1] + eps)
+        y = F.linear(stock_norm_formula(h, g, rstd), w, bias)
+        y = F.silu(y[..., : y.shape[-1] // 2]) * y[..., y.shape[-1] // 2:] if gated else y
+        return -y if fault == "result" else y
+
+    def fake_time(fn):
+        last["run"] = None
+        fn()
+        return times.get(last["run"], 2 * base) if last["run"] is not None else base
+
+    def fake_build(warmups):
+        built.extend(warmups)
+        return {"kernels": len(built)}
+
+    monkeypatch.setattr(G, "linear_add_residual", fake_first)
+    monkeypatch.setattr(G, "norm_partials_linear", fake_second)
+    monkeypatch.setattr(linear_op, "time_in_graph", fake_time)
+    monkeypatch.setattr("hf_accel.ops.triton_build.build_in_parallel", fake_build)
+    monkeypatch.setattr("hf_accel.ops.fused_kernels.silu_and_mul", lambda g, u, p: F.silu(g) * u)
+    monkeypatch.setattr(linear_op, "device_index", lambda device: 0)  # the gated baseline looks up the plain decision
+    return built
+
+
+def _chain_tiles(n, k, bucket, places=("first", "second"), gated=False):
+    return linear_op._time_chain_tiles(n, k, False, bucket, torch.float32, torch.device("cpu"), False, 1 << 16,
+                                       places, gated)
+
+
+@pytest.mark.parametrize(("base_us", "ratio", "kept"), [
+    (10, 0.95, True),    # faster chained than the baseline plain: kept
+    (10, 1.05, True),    # slower, within CHAIN_SLACK and CHAIN_MAX_LOSS_S: kept
+    (100, 1.05, False),  # within the slack, but 5 us slower: more than a norm kernel saves
+    (10, 1.25, False),   # slower than the slack
 ])
-def test_tuner_keeps_a_chain_tile_where_the_baseline_wins_narrowly(monkeypatch, bucket, base_us, best, int8,
-                                                                  decision, chain_tile):
-    """`_tune_one` with its timings scripted (CPU, no graphs): the fastest tensor-core tile becomes the shape's chain
-    tile, for both places in a chain, when the baseline won the bucket and the tile is at most CHAIN_SLACK and
-    CHAIN_MAX_LOSS_S slower; never at one row or for int8."""
-    cands = linear_op._candidates_for(bucket, 128, int8)
-    tiles = [c for c in cands if not c.gemv]
-    fastest = tiles[len(tiles) // 2]
+@pytest.mark.parametrize("bucket", [16, 64])
+def test_chain_tile_is_the_fastest_chained_launch_within_the_slack(monkeypatch, bucket, base_us, ratio, kept):
+    """`_time_chain_tiles` with its timings scripted: each place keeps the tile whose chained launch (residual
+    epilogue, or normalizing K loop) is fastest, if it is at most CHAIN_SLACK and CHAIN_MAX_LOSS_S slower than the
+    plain baseline; every chainable tile of each place was built ahead first."""
+    n, k = 64, 128
+    tiles = [c for c in linear_op._candidates_for(bucket, k, False) if not c.gemv]
+    fast, other = tiles[len(tiles) // 2], tiles[1]
     base = base_us * 1e-6
-    _script_tuner_timings(monkeypatch, {fastest: best * base}, base, cands)
-    if int8:
-        rule = G.SkinnyConfig(bucket, 8, 8, 1)  # the int8 baseline: a tile rule that is no candidate (timed base)
-        assert rule not in cands
-        monkeypatch.setattr("hf_accel.ops.quantized_linear.default_config", lambda m, n, k, device: rule)
-    cfg, base_t, best_t, tile = linear_op._tune_one(64, 128, False, bucket, torch.float32, torch.device("cpu"),
-                                                    False, 1 << 16, int8)
-    assert base_t == base and best_t == min(best * base, base)
-    assert cfg == (fastest if decision else None)
-    assert tile == (linear_op.ChainTiles(fastest, fastest) if chain_tile else None)
+    times = {("first", fast): ratio * base, ("second", other): ratio * base,
+             ("first", other): 1.01 * ratio * base, ("second", fast): 1.01 * ratio * base}
+    built = _script_chain_timings(monkeypatch, times, base)
+    found = _chain_tiles(n, k, bucket)
+    assert found == ({"first": fast, "second": other} if kept else {"first": None, "second": None})
+    assert len(built) == 2 * len(tiles)  # every candidate is chainable at this size, in both places
+
+
+def test_a_tile_fast_plain_but_slow_chained_is_not_the_chain_tile(monkeypatch):
+    """The chain tile is chosen by its chained launch, not by the plain linear's timing: a tile whose chained
+    variant is slow (a variant that spills registers the plain one does not: examples/kernel_registers.py) loses to
+    one that is slower plain but faster chained. A chained launch that gives a wrong result is never kept."""
+    bucket, k = 64, 128
+    tiles = [c for c in linear_op._candidates_for(bucket, k, False) if not c.gemv]
+    spills, steady, broken = tiles[0], tiles[1], tiles[2]
+    base = 10e-6
+    _script_tuner_timings(monkeypatch, {spills: 0.8 * base, steady: 0.95 * base}, base, tiles)
+    assert linear_op._tune_one(64, k, False, bucket, torch.float32, torch.device("cpu"), False, 1 << 16)[0] == spills
+    times = {("second", spills): 1.3 * base, ("second", steady): 1.02 * base, ("second", broken): 0.5 * base}
+    _script_chain_timings(monkeypatch, times, base, wrong={("second", broken): "result"})
+    assert _chain_tiles(64, k, bucket, places=("second",)) == {"second": steady}
+
+
+@pytest.mark.parametrize(("place", "fault"), [("first", "result"), ("first", "lost-tile"), ("second", "result"),
+                                               ("second", "first-sum-only")])
+def test_a_chained_launch_that_computes_wrongly_is_never_the_chain_tile(monkeypatch, place, fault):
+    """The tuner checks each chained launch before it times it: a wrong product, a first linear that loses one column
+    tile's sums of squares (of 32: a small part of the row's sum) or a second linear that reads only the first tile's
+    sums is skipped however fast it is, and the next tile within the slack is kept."""
+    bucket, n, k = 64, 1024, 1024
+    tiles = [c for c in linear_op._candidates_for(bucket, k, False) if not c.gemv and c.block_n == 32]
+    broken, steady = tiles[0], tiles[1]
+    base = 10e-6
+    times = {(place, broken): 0.5 * base, (place, steady): 1.02 * base}
+    _script_chain_timings(monkeypatch, times, base, wrong={(place, broken): fault})
+    assert _chain_tiles(n, k, bucket, places=(place,)) == {place: steady}
+    assert linear_op.chain_ss_tiles(k, bucket) == 32  # the second is timed with the most partial sums a first stores
 
 
 def _script_tuner_timings(monkeypatch, times: dict, base: float, cands) -> None:
@@ -249,59 +321,119 @@ def _script_tuner_timings(monkeypatch, times: dict, base: float, cands) -> None:
 @pytest.mark.parametrize(("n", "gated"), [(6144, False), (28672, True)])  # llama-3.1-8b q/k/v and gate/up
 def test_a_tile_too_narrow_to_lead_a_chain_is_kept_for_the_second_place(monkeypatch, n, gated):
     """A tile with more column tiles than the first linear's epilogue may store partial sums for
-    (`skinny_gemm.MAX_SS_TILES`) can still be a chain's second linear (q/k/v, gate/up): the tuner keeps it for that
-    place only, and a wider tile, slower but within the slack, for the first."""
+    (`skinny_gemm.MAX_SS_TILES`) can still be a chain's second linear (q/k/v, gate/up): it is timed and kept for
+    that place only, and a wider tile, slower but within the slack, for the first."""
     bucket, k = 16, 128
     cands = linear_op._gated_candidates(bucket, k) if gated else linear_op._candidates_for(bucket, k, False)
     out_n = n // 2 if gated else n
     narrow = next(c for c in cands if not c.gemv and c.split_k == 1 and -(-out_n // c.block_n) > G.MAX_SS_TILES)
     wide = next(c for c in cands if not c.gemv and c.split_k == 1 and -(-out_n // c.block_n) <= G.MAX_SS_TILES)
     base = 10e-6
-    _script_tuner_timings(monkeypatch, {narrow: 1.02 * base, wide: 1.06 * base}, base, cands)
-    monkeypatch.setattr(linear_op, "device_index", lambda device: 0)  # the gated baseline looks up the plain decision
-    cfg, _, _, tiles = linear_op._tune_one(n, k, False, bucket, torch.float32, torch.device("cpu"), False, 1 << 16,
-                                           False, gated)
-    assert cfg is None and tiles == linear_op.ChainTiles(first=wide, second=narrow)
+    times = {(p, c): t * base for p in CHAIN_PLACES for c, t in ((narrow, 1.02), (wide, 1.06))}
+    built = _script_chain_timings(monkeypatch, times, base)
+    places = ("second",) if gated else ("first", "second")
+    assert _chain_tiles(n, k, bucket, places, gated) == (
+        {"second": narrow} if gated else {"first": wide, "second": narrow})
+    firsts = sum(G.can_chain(c, bucket, k, out_n, torch.zeros(4096, dtype=torch.int32), residual=True)
+                 for c in cands if not c.gemv)
+    seconds = sum(not c.gemv for c in cands)
+    assert len(built) == (seconds if gated else firsts + seconds) and firsts < seconds
     assert G.can_chain(narrow, bucket, k, out_n, None, residual=False)
     assert not G.can_chain(narrow, bucket, k, out_n, torch.zeros(4096, dtype=torch.int32), residual=True)
 
 
-def test_chain_tiles_are_stored_and_asked_for_by_chains_only(monkeypatch, tmp_path):
-    """Chain tiles beside the decisions (timing faked): kept in memory and in the stored file, read back by a new
-    process, reported under ":chain-first" / ":chain-second", and given only to a caller that asks for a chain's
-    linear, the tile of its place."""
+CHAIN_PLACES = linear_op.CHAIN_PLACES
+
+
+def test_chain_tiles_are_timed_once_per_place_stored_and_asked_for_by_chains_only(monkeypatch, tmp_path):
+    """Chain tiles beside the decisions (timing faked): timed only for the places the model's chains give a shape,
+    at every bucket of 2+ rows whatever its decision, once per place (a place added later is timed alone, a new
+    process reads them back), reported under ":chain-first" / ":chain-second" ("none": timed, no tile qualified),
+    and given only to a caller that asks for a chain's linear: the tile timed for its place, none where none
+    qualified (even where our tile won plain), the decision for a place never timed."""
     cuda = stand_in_tuner_gpu(monkeypatch)
     tile, narrow = G.SkinnyConfig(64, 64, 128, 1), G.SkinnyConfig(64, 16, 128, 1)
+    won = G.SkinnyConfig(16, 32, 128, 1)
     monkeypatch.setattr(linear_op, "_tune_one", lambda n, k, b, bucket, *a: (
-        None, 2e-6, 1.9e-6, linear_op.ChainTiles(tile, narrow) if bucket == 64 else None))
+        won if (n, bucket) == (32, 16) else None, 2e-6, 1.9e-6))
+    timed = []
+
+    def fake_chain(n, k, b, bucket, dtype, device, use_pdl, scratch, places, gated=False):
+        timed.append((n, bucket, tuple(places)))
+        return {p: (tile if p == "first" else narrow) if bucket == 64 else None for p in places}
+
+    monkeypatch.setattr(linear_op, "_time_chain_tiles", fake_chain)
+    shapes = [(64, 128, False), (32, 64, False)]
     linear_op.clear_decisions()
+
+    def tune(places):
+        return linear_op.tune_linears(shapes, torch.bfloat16, cuda, use_pdl=False, cache_dir=tmp_path,
+                                      chain_places=places)
+
+    def asked(n, k, m, chain=""):
+        return linear_op.tuned_config(cuda, torch.bfloat16, n, k, False, m, chain=chain)
     try:
-        for _ in range(2):  # tuned, then (a new process) read back from the file
-            linear_op.tune_linears([(64, 128, False)], torch.bfloat16, cuda, use_pdl=False, cache_dir=tmp_path)
-            assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 40) is None
-            assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 40, chain="first") == tile
-            assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 40, chain="second") == narrow
-            assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 16, chain="first") is None
+        report = tune({(64, 128, False): ("second",), (32, 64, False): "first"})
+        # buckets 16 and 64 of each chained shape (the one our tile won too), never one row
+        assert sorted(timed) == [(32, 16, ("first",)), (32, 64, ("first",)), (64, 16, ("second",)),
+                                 (64, 64, ("second",))]
+        assert report["chain_places_timed"] == 4
+        assert asked(64, 128, 40, "second") == narrow and asked(64, 128, 40, "first") is None
+        assert asked(32, 64, 16) == won and asked(32, 64, 16, "first") is None  # won plain; no chained tile
+        assert asked(32, 64, 1, "first") is None
+        timed.clear()
+        assert tune({(64, 128, False): ("second",)})["chain_places_timed"] == 0 and not timed  # in memory
+        report = tune({(64, 128, False): ("first", "second")})  # a place not yet timed: alone
+        assert sorted(timed) == [(64, 16, ("first",)), (64, 64, ("first",))] and report["tuned"] == 0
+        with pytest.raises(ValueError, match="unknown chain places"):
+            tune({(64, 128, False): ("third",)})
+        for _ in range(2):  # as tuned, then (a new process) read back from the file
+            assert asked(64, 128, 40) is None
+            assert asked(64, 128, 40, "first") == tile and asked(64, 128, 40, "second") == narrow
+            assert asked(64, 128, 16, "first") is None
             report = linear_op.decisions_for([(64, 128, False)], cuda, torch.bfloat16, chain_tiles=True)
             assert report["64x128@m64"] == "cublas" and report["64x128@m64:chain-first"]["block_n"] == 64
             assert report["64x128@m64:chain-second"]["block_n"] == 16
-            assert not any(k.startswith("64x128@m16:chain") for k in report)
+            assert report["64x128@m16:chain-first"] == report["64x128@m16:chain-second"] == "none"
+            assert not any(k.startswith("64x128@m1:chain") for k in report)
             # a model without chains reports the decisions only
             assert linear_op.decisions_for([(64, 128, False)], cuda, torch.bfloat16) == {
                 k: v for k, v in report.items() if ":chain" not in k}
             linear_op.clear_decisions()
-            monkeypatch.setattr(linear_op, "_tune_one", lambda *a: pytest.fail("read back, not timed again"))
-        # timed again (a new cache key, here: the stored decision dropped) without a chain tile: the old one goes
+            timed.clear()
+            assert tune({(64, 128, False): ("first", "second"), (32, 64, False): ("first",)})["tuned"] == 0
+            assert not timed
+        # int8 weights never chain
+        linear_op.tune_linears(shapes, torch.bfloat16, cuda, use_pdl=False, int8=True,
+                               chain_places={(64, 128, False): ("first",)})
+        assert not timed
+        # a decision timed again drops the chain tiles timed beside the old one; tiles timed plain by an older
+        # version ("|chain") are dropped from the file, not read
         stored = json.loads((tmp_path / linear_op.TUNE_FILE).read_text())
-        skey = next(k for k in stored if k.endswith(linear_op.CHAIN_SUFFIX))
+        skey = next(k for k in stored if k.endswith(linear_op.CHAIN_SUFFIX) and "|64|128|" in k and "|64|pdl" in k)
         del stored[skey[: -len(linear_op.CHAIN_SUFFIX)]]
+        old = skey[: -len(linear_op.CHAIN_SUFFIX)].replace("|128|", "|256|") + "|chain"
+        stored[old] = {"first": G.SkinnyConfig(64, 32, 128, 1).__dict__, "second": None}
         (tmp_path / linear_op.TUNE_FILE).write_text(json.dumps(stored))
-        monkeypatch.setattr(linear_op, "_tune_one", lambda n, k, b, bucket, *a: (None, 2e-6, 3e-6, None))
-        linear_op.tune_linears([(64, 128, False)], torch.bfloat16, cuda, use_pdl=False, cache_dir=tmp_path)
-        assert linear_op.tuned_config(cuda, torch.bfloat16, 64, 128, False, 40, chain="first") is None
-        assert skey not in json.loads((tmp_path / linear_op.TUNE_FILE).read_text())
+        linear_op.clear_decisions()
+        tune({})
+        assert asked(64, 128, 40, "first") is None
+        after = json.loads((tmp_path / linear_op.TUNE_FILE).read_text())
+        assert skey not in after and old not in after
     finally:
         linear_op.clear_decisions()
+
+
+def test_chain_places_of_the_pairs():
+    """Which places each weight shape takes, among the plain decisions and the gated ones."""
+    from hf_accel.compilation.norm_folding import ChainedPair, chain_places
+
+    o, down, qkv, gu = (64, 128, False), (64, 256, False), (192, 64, False), (512, 64, False)
+    pairs = [ChainedPair(o, gu, True), ChainedPair(down, qkv, False), ChainedPair(o, gu, True),
+             ChainedPair(qkv, qkv, False)]
+    assert chain_places(pairs, gated=False) == {o: ("first",), down: ("first",), qkv: ("second", "first")}
+    assert chain_places(pairs, gated=True) == {gu: ("second",)}
+    assert chain_places([], gated=False) == {}
 
 
 # ----------------------------------------------------------------------------------------------------------- the pass
@@ -333,7 +465,8 @@ def test_pass_chains_both_residual_norms_of_every_layer(monkeypatch, family, gat
         fold_norms_into_linears(gm, any_width=wide)
         if gated:
             fuse_silu_mul_into_linears(gm)
-        seen["chained"] = chain_residual_norms(gm)
+        seen["pairs"] = chain_residual_norms(gm)
+        seen["chained"] = len(seen["pairs"])
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         seen["ops"] = targets.count(torch.ops.hf_accel.linear_add_rms_norm_linear.default)
         seen["left"] = (targets.count(torch.ops.hf_accel.add_rms_norm_linear.default)
@@ -348,6 +481,14 @@ def test_pass_chains_both_residual_norms_of_every_layer(monkeypatch, family, gat
     finally:
         torch._dynamo.reset()
     assert seen["chained"] == seen["ops"] == 2 * layers - 1 and seen["left"] == 0
+    # the weight shapes of each chain's linears: what the tuner times chain tiles for
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    hidden, q_out, inter = c.hidden_size, c.num_attention_heads * head_dim, c.intermediate_size
+    qkv = q_out + 2 * c.num_key_value_heads * head_dim
+    mlp = ((hidden, q_out, False), (2 * inter, hidden, False), gated)
+    attn = ((hidden, inter, False), (qkv, hidden, False), False)
+    assert sorted(tuple(p) for p in seen["pairs"]) == sorted([mlp] * layers + [attn] * (layers - 1))
     with torch.no_grad():
         eager = model(ids).logits
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
@@ -401,6 +542,27 @@ def test_gpu_chain_at_qwen3_shapes_in_a_graph_with_and_without_pdl(m):
     assert (got != want).float().mean().item() < 0.05
 
 
+@gpu
+@pytest.mark.gpu
+def test_gpu_chain_tiles_are_timed_as_chains_at_qwen3_shapes(caplog):
+    """`_time_chain_tiles` with the real kernels at qwen3-0.6b's 64-row shapes (o_proj first, gate/up gated second,
+    q/k/v second): every chainable tile of each place builds, passes the tuner's float32 check and is timed; a place
+    keeps a tile or none."""
+    import logging
+
+    d, q, qkv, inter = QWEN["hidden"], QWEN["q_out"], QWEN["qkv"], QWEN["inter"]
+    use_pdl = pdl.supported(DEVICE)
+    with caplog.at_level(logging.DEBUG, logger="hf_accel.ops.linear"):
+        found = [linear_op._time_chain_tiles(n, k, False, 64, torch.bfloat16, DEVICE, use_pdl, 64 << 20, places, gated)
+                 for n, k, places, gated in ((d, q, ("first",), False), (2 * inter, d, ("second",), True),
+                                             (qkv, d, ("second",), False))]
+    assert [list(f) for f in found] == [["first"], ["second"], ["second"]]
+    bad = [r.getMessage() for r in caplog.records if "wrong result" in r.getMessage() or "failed" in r.getMessage()]
+    assert not bad, bad
+    for f in found:
+        assert all(c is None or (not c.gemv and c.block_m == 64) for c in f.values())
+
+
 def test_pass_leaves_a_linear_added_to_itself():
     """`h = lin(x) + lin(x)` of one linear node: the add reads it twice, so the linear stays its own op (taking it
     into the chain would erase a node the new op still reads)."""
@@ -423,7 +585,7 @@ def test_pass_leaves_a_linear_added_to_itself():
     def backend(gm, example_inputs):
         route_small_m_linears(gm, use_pdl=False, allow_cpu=True)
         seen["folded"] = fold_norms_into_linears(gm)
-        seen["chained"] = chain_residual_norms(gm)
+        seen["chained"] = len(chain_residual_norms(gm))
         return gm.forward
 
     torch._dynamo.reset()

@@ -272,7 +272,7 @@ def test_tuner_times_only_what_is_not_decided_and_builds_it_first(monkeypatch, t
 
     def fake_tune(n, k, has_bias, bucket, *args):
         timed.append((n, k, has_bias, bucket))
-        return (G.SkinnyConfig(16, 32, 64, 2) if bucket == 1 else None), 2e-6, 1e-6, None
+        return (G.SkinnyConfig(16, 32, 64, 2) if bucket == 1 else None), 2e-6, 1e-6
 
     monkeypatch.setattr(linear_op, "_tune_one", fake_tune)
     linear_op.clear_decisions()

@@ -19,6 +19,8 @@ any width, and a folded op of a wider row runs its norm as a kernel of its own w
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -178,16 +180,40 @@ def fold_norms_into_linears(gm: torch.fx.GraphModule, any_width: bool = False) -
     return folded
 
 
-def chain_residual_norms(gm: torch.fx.GraphModule) -> int:
+class ChainedPair(NamedTuple):
+    """The two linears of a chain `chain_residual_norms` made, as (n, k, has_bias) weight shapes: what
+    `ops.linear.tune_linears(chain_places=...)` times chain tiles for. `second` of a `gated` pair is the gate/up
+    weight (its gated decisions)."""
+
+    first: tuple[int, int, bool]
+    second: tuple[int, int, bool]
+    gated: bool
+
+
+def chain_places(pairs: Iterable[ChainedPair], gated: bool) -> dict[tuple[int, int, bool], tuple[str, ...]]:
+    """{weight shape: the places it takes in `pairs`' chains} among the plain linears' decisions (each first linear,
+    the second of a plain pair) or, `gated`, among the gated ones (the second of a gated pair): what
+    `ops.linear.tune_linears(chain_places=...)` takes."""
+    places: dict[tuple[int, int, bool], tuple[str, ...]] = {}
+    for pair in pairs:
+        found = ([] if gated else [(pair.first, "first")]) + ([(pair.second, "second")] if pair.gated == gated else [])
+        for shape, place in found:
+            if place not in places.get(shape, ()):
+                places[shape] = (*places.get(shape, ()), place)
+    return places
+
+
+def chain_residual_norms(gm: torch.fx.GraphModule) -> list[ChainedPair]:
     """Give each folded norm's op whose residual add takes a routed linear's output that linear too: the pair becomes
     `hf_accel::linear_add_rms_norm_linear` (`ops.residual_chain`: the add and the norm's sums of squares in the first
     GEMM's epilogue, the normalization in the second's K loop). Runs after `fold_norms_into_linears` and the gated
-    pass; returns how many pairs were chained."""
+    pass; returns the pairs chained (a pair whose weight shapes are unknown is not chained: no chain tile could be
+    timed for it)."""
     import hf_accel.ops.residual_chain  # noqa: F401  (registers the op)
 
     plain = torch.ops.hf_accel.add_rms_norm_linear.default
     gated = torch.ops.hf_accel.add_rms_norm_silu_mul_linear.default
-    chained = 0
+    chained: list[ChainedPair] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (plain, gated):
             continue
@@ -201,7 +227,8 @@ def chain_residual_norms(gm: torch.fx.GraphModule) -> int:
                     and residual is not first):  # `lin + lin`: the add reads the linear twice
                 continue
             x1, w1, bias1, pdl1 = first.args
-            if not static_weight(w1):
+            w1v, w2v = _value(w1), _value(w2)
+            if not static_weight(w1) or not all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in (w1v, w2v)):
                 continue
             # the linear runs at the op's place: nothing in between may write what it reads
             if any(may_mutate(n) for n in _nodes_between(first, node)):
@@ -214,7 +241,9 @@ def chain_residual_norms(gm: torch.fx.GraphModule) -> int:
             node.replace_all_uses_with(fused)
             gm.graph.erase_node(node)
             gm.graph.erase_node(first)
-            chained += 1
+            chained.append(ChainedPair((int(w1v.shape[0]), int(w1v.shape[1]), bias1 is not None),
+                                       (int(w2v.shape[0]), int(w2v.shape[1]), bias2 is not None),
+                                       node.target is gated))
             break
     if chained:
         gm.graph.lint()

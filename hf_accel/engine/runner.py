@@ -446,6 +446,7 @@ class ModelRunner:
         """Tile decisions for the small-M GEMMs the compile routed: bf16 / fp16 linears (`small_m_gemm`: ours or
         cuBLAS) and torchao int8 weight-only ones (`int8_gemm`: tuned tiles or the tile rule). A tuning failure
         warns and keeps the baseline: it is an optimisation."""
+        from hf_accel.compilation.norm_folding import chain_places
         from hf_accel.ops.linear import decisions_for, gated_key_dtype, int8_key_dtype, tune_linears
 
         stats = self.piecewise.stats
@@ -461,7 +462,8 @@ class ModelRunner:
                   "in the compile cache")
             try:
                 report = tune_linears(shapes, dtype, self.device, use_pdl=pdl, int8=int8, gated=gated,
-                                      cache_dir=cache_path)
+                                      cache_dir=cache_path,
+                                      chain_places=None if int8 else chain_places(stats.chain_pairs, gated))
                 report["decisions"] = decisions_for(shapes, self.device, int8_key_dtype(dtype) if int8
                                                     else gated_key_dtype(dtype) if gated else dtype,
                                                     chain_tiles=bool(stats.chained_norms))

@@ -26,7 +26,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
@@ -45,16 +45,18 @@ M_BUCKETS = (1, 16, 64)
 # stand-alone gains were small (2-8 % on the 8B shapes) and the 8B W2 figure of the first H200 run with them fell
 # (not yet A/B-tested in one run), so only clear wins (qwen3-0.6b's narrow o/down projections: 12-25 %) are taken
 MIN_GAIN = {1: 0.03, 16: 0.03, 64: 0.10}
-# where the baseline won a bucket of 2+ rows, the best tensor-core tiles are still remembered as that shape's "chain
-# tiles" when at most CHAIN_SLACK and at most CHAIN_MAX_LOSS_S slower than the baseline: a residual chain
-# (`ops.residual_chain`) runs only where both of its linears are tiles of ours, and chaining saves a whole add +
-# RMSNorm kernel and its wait (about 1.5 us at one row on the H200, more at 64 rows), which a tile that gives away
-# less than that repays (qwen3-0.6b's q/k/v at 64 rows on the H100: our tile 8.5 % faster than cuBLAS, under
-# MIN_GAIN[64], so that chain did not run). The absolute cap keeps a large weight (an 8B gate/up: 10 % is ~7 us)
-# from trading more than the kernel saves. A shape keeps one tile per place in a chain (`ChainTiles`): the first
-# linear's epilogue takes at most `skinny_gemm.MAX_SS_TILES` column tiles and splits K only with counters, the
-# second linear takes any tensor-core tile (an 8B gate/up's narrow tiles have more column tiles than the first may).
-# A split-K first tile needs the runner's counters: with AccelConfig(fused_split_reductions=False) it does not chain
+# for each bucket of 2+ rows of a shape that takes a place in a residual chain (`ops.residual_chain`), the tuner
+# times every tensor-core tile that can take that place as the chain launches it (`_time_chain_tiles`: with the
+# residual epilogue, or normalizing its input) and keeps the fastest as the place's "chain tile" when it is at most
+# CHAIN_SLACK and at most CHAIN_MAX_LOSS_S slower than the plain baseline, whatever the decision (a tile that won
+# plain may spill in the chain). A chain runs only where both of its linears have a chain tile, and chaining saves a
+# whole add + RMSNorm kernel and its wait (about 1.5 us at one row on the H200, more at 64 rows), which a tile that
+# gives away less than that repays (qwen3-0.6b's q/k/v at 64 rows on the H100: our tile 8.5 % faster than cuBLAS,
+# under MIN_GAIN[64], so that chain did not run). The absolute cap keeps a large weight (an 8B gate/up: 10 % is
+# ~7 us) from trading more than the kernel saves. A shape keeps one tile per place: the first linear's epilogue
+# takes at most `skinny_gemm.MAX_SS_TILES` column tiles and splits K only with counters, the second linear takes any
+# tensor-core tile (an 8B gate/up's narrow tiles have more column tiles than the first may). A split-K first tile
+# needs the runner's counters: with AccelConfig(fused_split_reductions=False) it does not chain
 CHAIN_SLACK = 0.10
 CHAIN_MAX_LOSS_S = 1e-6
 TUNE_FILE = "small_m_gemm.json"
@@ -71,21 +73,17 @@ ONE_ROW_GEMM = os.environ.get("HF_ACCEL_ONE_ROW_GEMM", "1").strip().lower() not 
 # the three bench shapes at M = 1) each shape's best one-row configuration had one split, at 2-16 rows per program
 ONE_ROW_TILES = ((2, 1024), (4, 512), (4, 1024), (8, 512), (16, 256), (16, 512))
 
-class ChainTiles(NamedTuple):
-    """A shape's chain tiles (`CHAIN_SLACK`): for the chain's first linear (its epilogue adds the residual and stores
-    partial sums of squares) and for its second (it normalizes its input from them); None where no tile qualified."""
-
-    first: object
-    second: object
-
-
-CHAIN_PLACES = ChainTiles._fields  # ("first", "second")
+# a chain's places (`ops.residual_chain`): its first linear (the epilogue adds the residual and stores partial sums of
+# squares) and its second (it normalizes its input from them)
+CHAIN_PLACES = ("first", "second")
 # (device index, dtype, n, k, has_bias, bucket) -> SkinnyConfig | None (None: cuBLAS); on disk the device is named
 _decisions: dict[tuple, object] = {}
-# the same keys -> the ChainTiles of a shape whose decision is the baseline; on disk under the decision's key +
-# CHAIN_SUFFIX, as {"first": config dict or None, "second": ...}
-_chain_tiles: dict[tuple, ChainTiles] = {}
-CHAIN_SUFFIX = "|chain"
+# the same keys -> {place: the chain tile timed for it (`_time_chain_tiles`), None where no tile qualified}, the timed
+# places only; each update a new dict, so a lock-free reader sees one whole. On disk under the decision's key +
+# CHAIN_SUFFIX, as {"first": config dict or None, ...} (its own version: tiles timed plain, "|chain", are not read)
+_chain_tiles: dict[tuple, dict[str, object]] = {}
+CHAIN_SUFFIX = "|chain-timed"
+OLD_CHAIN_SUFFIXES = ("|chain",)  # dropped from the stored file when it is written
 _lock = threading.Lock()
 
 
@@ -160,23 +158,22 @@ def tuned_config(device: torch.device, dtype: torch.dtype | tuple, n: int, k: in
                  chain: str = ""):
     """The tuned tile config for a step of `m` rows (the decision of the smallest bucket >= m), or None: not tuned,
     more rows than any bucket, or the baseline won. `dtype`: as in `decisions_for`. `chain` ("first" or "second"):
-    for that linear of a residual chain, where the baseline won, the shape's chain tile for that place
-    (`CHAIN_SLACK`) if it has one."""
+    for that linear of a residual chain, the chain tile timed for that place (`CHAIN_SLACK`; None where none
+    qualified: the chain does not run), or, for a place never timed as a chain, the decision."""
     bucket = m_bucket(m)
     if bucket is None:
         return None
     key = _key(device, dtype, n, k, has_bias, bucket)
-    cfg = _decisions.get(key)
-    if cfg is not None or not chain:
-        return cfg
-    tiles = _chain_tiles.get(key)
-    return getattr(tiles, chain) if tiles is not None else None
+    tiles = _chain_tiles.get(key) if chain else None
+    if tiles is not None and chain in tiles:
+        return tiles[chain]
+    return _decisions.get(key)
 
 
 def clear_decisions() -> None:
     """Forget every tuning decision (tests; a process that changes GPUs)."""
     with _lock:
-        _chain_tiles.clear()  # first: a lock-free tuned_config(chain=...) never finds a tile without its decision
+        _chain_tiles.clear()
         _decisions.clear()
 
 
@@ -184,7 +181,7 @@ def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device,
                   dtype: torch.dtype | tuple, chain_tiles: bool = False) -> dict:
     """The current decision per (n, k, bias, bucket): a config dict, or "cublas" for the baseline (missing: never
     tuned); with `chain_tiles` (a model with residual chains), also under the same name + ":chain-first" /
-    ":chain-second" the chain tiles of a baseline decision that has them. `dtype`: the activations' dtype, or
+    ":chain-second" the chain tile timed for that place ("none": none qualified). `dtype`: the activations' dtype, or
     `int8_key_dtype(dtype)` for int8 weights (baseline: the tile rule)."""
     out = {}
     for n, k, has_bias in shapes:
@@ -194,10 +191,10 @@ def decisions_for(shapes: Iterable[tuple[int, int, bool]], device: torch.device,
                 cfg = _decisions[key]
                 name = f"{n}x{k}{'+b' if has_bias else ''}@m{b}"
                 out[name] = asdict(cfg) if cfg is not None else _baseline_name(dtype)
-                tiles = _chain_tiles.get(key) if chain_tiles else None
-                for place in CHAIN_PLACES if tiles is not None else ():
-                    if getattr(tiles, place) is not None:
-                        out[f"{name}:chain-{place}"] = asdict(getattr(tiles, place))
+                tiles = _chain_tiles.get(key, {}) if chain_tiles else {}
+                for place in CHAIN_PLACES:
+                    if place in tiles:
+                        out[f"{name}:chain-{place}"] = asdict(tiles[place]) if tiles[place] is not None else "none"
     return out
 
 
@@ -280,15 +277,37 @@ def time_in_graph(fn, reps: int = 16, samples: int = 5) -> float:
     return statistics.median(times)
 
 
-def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, device: torch.device,
-              use_pdl: bool, scratch_bytes: int, int8: bool = False, gated: bool = False):
-    """Time the baseline and the candidates for one weight shape at M = bucket: (the winner's config or None (the
-    baseline), the baseline's seconds, the best candidate's seconds, the ChainTiles or None (`CHAIN_SLACK`)).
-    bf16 / fp16 weights: the baseline is cuBLAS. int8 weights (`int8`, one scale per row): the baseline is
-    `quantized_linear.default_config`'s tile rule, since no cuBLAS path reads int8 weights with bf16 activations.
-    `gated` (a gate/up weight, `n` its rows): the candidates apply the SiLU gate in their epilogue, the baseline is
-    what `ops.gated_linear` runs without a decision: the plain linear's decision, then the SiLU-and-mul kernel."""
-    from hf_accel.ops.skinny_gemm import can_chain, skinny_linear
+class _Bench(NamedTuple):
+    """Scratch operands for timing one weight shape at one bucket (`_bench`): `copies` weights, so that L2 cannot
+    hold them and every timed call streams its weight from HBM, as in a real step."""
+
+    weights: list
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None
+    x: torch.Tensor
+    counters: torch.Tensor
+    baseline: object  # a zero-argument call of what runs without a decision (`cycling`)
+    rows: int  # output columns checked against the float32 reference
+    out_n: int  # output columns (gated: half the weight's rows)
+
+    def cycling(self, call):
+        """A zero-argument call of `call(weight)` that takes the next weight copy each time."""
+        state = {"i": 0}
+
+        def fn():
+            w = self.weights[state["i"] % len(self.weights)]
+            state["i"] += 1
+            return call(w)
+        return fn
+
+
+def _bench(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, device: torch.device, use_pdl: bool,
+           scratch_bytes: int, candidates: list, int8: bool = False, gated: bool = False) -> _Bench:
+    """The operands and the baseline call `_tune_one` and `_time_chain_tiles` time against. bf16 / fp16 weights: the
+    baseline is cuBLAS. int8 weights (one scale per row): `quantized_linear.default_config`'s tile rule, since no
+    cuBLAS path reads int8 weights with bf16 activations. `gated` (a gate/up weight, `n` its rows): what
+    `ops.gated_linear` runs without a decision, the plain linear's decision, then the SiLU-and-mul kernel."""
+    from hf_accel.ops.skinny_gemm import skinny_linear
 
     wdtype = torch.int8 if int8 else dtype
     nbytes = n * k * torch.empty((), dtype=wdtype).element_size()
@@ -301,81 +320,188 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
         scale = None
     bias = torch.randn(n, device=device, dtype=dtype) if has_bias else None
     x = torch.randn(bucket, k, device=device, dtype=dtype)
-    # split-K candidates reduce in the same launch, as in an engine step (whose runner holds such counters): one
-    # counter per column tile of the narrowest candidate (fewer would time the reduce kernel instead)
-    candidates = _gated_candidates(bucket, k) if gated else _candidates_for(bucket, k, int8)
-    if not candidates:  # e.g. gated at one row with the one-row kernel switched off: the baseline
-        return None, 0.0, 0.0, None
     out_n = n // 2 if gated else n
-    # enough counters for the candidates' column tiles and for the gated baseline's plain linear over all n rows
+    # split-K candidates reduce in the same launch, as in an engine step (whose runner holds such counters): one
+    # counter per column tile of the narrowest candidate (fewer would time the reduce kernel instead), and enough
+    # for the gated baseline's plain linear over all n rows
     plain_cfg = _decisions.get(_key(device, dtype, n, k, False, bucket)) if gated else None
-    tiles = max(-(-out_n // min(c.block_n for c in candidates)), -(-n // plain_cfg.block_n) if plain_cfg else 0)
+    tiles = max(-(-out_n // min((c.block_n for c in candidates), default=out_n)),
+                -(-n // plain_cfg.block_n) if plain_cfg else 0)
     counters = torch.zeros(tiles, dtype=torch.int32, device=device)
-    rows = min(out_n, 512)  # checked on the first rows only: a float32 copy of a whole lm_head would cost gigabytes
-    w_ref = weights[0][:rows].float() * (scale[:rows, None].float() if int8 else 1.0)
-    ref = F.linear(x.float(), w_ref, bias[:rows].float() if bias is not None else None)
-    if gated:  # silu(gate) * up over the first gate rows and their up rows
-        ref = F.silu(ref) * F.linear(x.float(), weights[0][out_n:out_n + rows].float())
-    tol = 0.05 * ref.abs().max().item() + 1e-3
-
-    def cycling(call):
-        state = {"i": 0}
-
-        def fn():
-            w = weights[state["i"] % copies]
-            state["i"] += 1
-            return call(w)
-        return fn
-
+    bench = _Bench(weights, scale, bias, x, counters, None, min(out_n, 512), out_n)
     if int8:
         from hf_accel.ops.quantized_linear import default_config
 
         base = default_config(bucket, n, k, device)
-        baseline = cycling(lambda w: skinny_linear(x, w, bias, base, use_pdl, scale=scale, counters=counters))
+        baseline = bench.cycling(lambda w: skinny_linear(x, w, bias, base, use_pdl, scale=scale, counters=counters))
     elif gated:
         from hf_accel.ops.fused_kernels import silu_and_mul
 
-        plain = _decisions.get(_key(device, dtype, n, k, False, bucket))  # tuned before the gated shapes
-
-        def gate_after(w: torch.Tensor) -> torch.Tensor:
-            y = (skinny_linear(x, w, None, plain, use_pdl, counters=counters) if plain is not None
+        def gate_after(w: torch.Tensor) -> torch.Tensor:  # the plain decision is tuned before the gated shapes
+            y = (skinny_linear(x, w, None, plain_cfg, use_pdl, counters=counters) if plain_cfg is not None
                  else F.linear(x, w))
             return silu_and_mul(y[:, :out_n], y[:, out_n:], use_pdl)
-        baseline = cycling(gate_after)
+        baseline = bench.cycling(gate_after)
     else:
-        baseline = cycling(lambda w: F.linear(x, w, bias))
-    best_cfg, best_t = None, time_in_graph(baseline)
+        baseline = bench.cycling(lambda w: F.linear(x, w, bias))
+    return bench._replace(baseline=baseline)
+
+
+def _reference(b: _Bench, x: torch.Tensor, int8: bool = False, gated: bool = False,
+               rows: int | None = None) -> torch.Tensor:
+    """float32 `F.linear` of `x` with the first weight copy over the first `rows` (default `b.rows`) output columns,
+    from float32 copies of at most 512 weight rows at a time (of a whole lm_head that would cost gigabytes);
+    `gated`: silu(gate) * up of those columns."""
+    w0, rows = b.weights[0], b.rows if rows is None else rows
+    parts = []
+    for lo in range(0, rows, 512):
+        hi = min(rows, lo + 512)
+        w_ref = w0[lo:hi].float() * (b.scale[lo:hi, None].float() if int8 else 1.0)
+        ref = F.linear(x.float(), w_ref, b.bias[lo:hi].float() if b.bias is not None else None)
+        if gated:
+            ref = F.silu(ref) * F.linear(x.float(), w0[b.out_n + lo:b.out_n + hi].float())
+        parts.append(ref)
+    return torch.cat(parts, dim=-1)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """The tuner's sanity check of a candidate's output (a broken config must never win; NaN fails it)."""
+    return bool((out.float() - ref).abs().max().item() <= 0.05 * ref.abs().max().item() + 1e-3)
+
+
+def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, device: torch.device,
+              use_pdl: bool, scratch_bytes: int, int8: bool = False, gated: bool = False):
+    """Time the baseline (`_bench`) and the candidates for one weight shape at M = bucket: (the winner's config or
+    None (the baseline), the baseline's seconds, the best candidate's seconds)."""
+    from hf_accel.ops.skinny_gemm import skinny_linear
+
+    candidates = _gated_candidates(bucket, k) if gated else _candidates_for(bucket, k, int8)
+    if not candidates:  # e.g. gated at one row with the one-row kernel switched off: the baseline
+        return None, 0.0, 0.0
+    b = _bench(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes, candidates, int8, gated)
+    ref = _reference(b, b.x, int8, gated)
+    best_cfg, best_t = None, time_in_graph(b.baseline)
     base_t = best_t
-    # the fastest tile a chain can run, per place in it (the first linear's is the stricter rule)
-    tile = {place: None for place in CHAIN_PLACES}
-    tile_t = {place: float("inf") for place in CHAIN_PLACES}
     for cfg in candidates:
         try:
-            out = skinny_linear(x, weights[0], bias, cfg, use_pdl, scale=scale, counters=counters,
-                                gated=gated)[:, :rows].float()
-            err = (out - ref).abs().max().item()
-            if not err <= tol:  # a broken config must never win (NaN included)
-                logger.warning("hf_accel: small-M GEMM config %s gave error %.3g on %dx%d; skipped", cfg, err, n, k)
+            out = skinny_linear(b.x, b.weights[0], b.bias, cfg, use_pdl, scale=b.scale, counters=b.counters,
+                                gated=gated)
+            if not _close(out[:, :b.rows], ref):
+                logger.warning("hf_accel: small-M GEMM config %s gave a wrong result on %dx%d; skipped", cfg, n, k)
                 continue
-            t = time_in_graph(cycling(lambda w, c=cfg: skinny_linear(x, w, bias, c, use_pdl, scale=scale,
-                                                                     counters=counters, gated=gated)))
+            t = time_in_graph(b.cycling(lambda w, c=cfg: skinny_linear(b.x, w, b.bias, c, use_pdl, scale=b.scale,
+                                                                       counters=b.counters, gated=gated)))
         except Exception as exc:  # a config that does not compile on this GPU / triton
             logger.debug("small-M GEMM config %s failed: %s", cfg, exc)
             continue
         if t < best_t:
             best_cfg, best_t = cfg, t
-        for place in CHAIN_PLACES:
-            if t < tile_t[place] and can_chain(cfg, bucket, k, out_n, counters, residual=place == "first"):
-                tile[place], tile_t[place] = cfg, t
     if best_cfg is not None and best_t > base_t * (1.0 - MIN_GAIN[bucket]):
         best_cfg = None
-    chain_tiles = None
-    if best_cfg is None and bucket > 1 and not int8:
-        limit = min(base_t * (1.0 + CHAIN_SLACK), base_t + CHAIN_MAX_LOSS_S)
-        chain_tiles = ChainTiles(*(tile[p] if tile_t[p] <= limit else None for p in CHAIN_PLACES))
-        if chain_tiles == ChainTiles(None, None):
-            chain_tiles = None
-    return best_cfg, base_t, best_t, chain_tiles
+    return best_cfg, base_t, best_t
+
+
+def chain_ss_tiles(k: int, bucket: int) -> int:
+    """The partial sums of squares a chain's second linear over a hidden size of `k` is timed with
+    (`_time_chain_tiles`): the most any first linear's tile of the bucket can store (the narrowest tile that may
+    lead a chain), so that the variant timed is the one with the largest block of them in registers; a launch with
+    fewer builds its own variant when it first runs."""
+    from hf_accel.ops.skinny_gemm import MAX_SS_TILES
+
+    counts = [-(-k // c.block_n) for c in _candidates(bucket) if not c.gemv]
+    return max([t for t in counts if t <= MAX_SS_TILES], default=1)
+
+
+def _tile_sums_of_squares(h: torch.Tensor, block_n: int) -> torch.Tensor:
+    """float32 `[column tiles, rows]`: each `block_n`-wide column tile's sums of squares of the rows of h, as the
+    first linear of a chain stores them (`skinny_gemm.linear_add_residual`)."""
+    m, n = h.shape
+    tiles = -(-n // block_n)
+    padded = torch.zeros(m, tiles * block_n, device=h.device, dtype=torch.float32)
+    padded[:, :n] = h.float()
+    return padded.view(m, tiles, block_n).pow(2).sum(-1).t().contiguous()
+
+
+def _chain_calls(b: _Bench, place: str, bucket: int, k: int, dtype: torch.dtype, device: torch.device,
+                 use_pdl: bool, gated: bool):
+    """(call(cfg, weight), check(cfg) -> bool) for one place in a chain: the first linear with its residual epilogue
+    (`skinny_gemm.linear_add_residual`), or the second normalizing its input from partial sums of squares
+    (`skinny_gemm.norm_partials_linear`), on scratch operands; `check` compares a launch with a float32 reference."""
+    from hf_accel.ops.skinny_gemm import linear_add_residual, norm_partials_linear
+
+    if place == "first":  # every column of h (the hidden size) and each tile's sums of squares of it
+        residual = torch.randn(bucket, b.out_n, device=device, dtype=dtype)
+        ref_h = _reference(b, b.x, rows=b.out_n) + residual.float()
+
+        def call(cfg, w):
+            return linear_add_residual(b.x, w, b.bias, residual, cfg, use_pdl, counters=b.counters)
+
+        def check(cfg) -> bool:
+            h, ss = call(cfg, b.weights[0])
+            want = _tile_sums_of_squares(h, cfg.block_n)  # of the h stored: only the sums' order may differ
+            return (_close(h, ref_h) and ss.shape == want.shape
+                    and bool(((ss - want).abs() <= 1e-3 * want + 1e-6).all().item()))
+        return call, check
+    h = torch.randn(bucket, k, device=device, dtype=dtype)
+    tiles = chain_ss_tiles(k, bucket)
+    ss = _tile_sums_of_squares(h, -(-k // tiles))  # spread over the tiles, as a first linear stores them
+    ss = torch.cat([ss, ss.new_zeros(tiles - ss.shape[0], bucket)]) if ss.shape[0] < tiles else ss
+    g = torch.rand(k, device=device, dtype=dtype) + 0.5
+    eps = 1e-6
+    normed = g * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    ref = _reference(b, normed, gated=gated)
+
+    def call(cfg, w):
+        return norm_partials_linear(h, ss, g, eps, w, b.bias, cfg, use_pdl, counters=b.counters, gated=gated)
+
+    def check(cfg) -> bool:
+        return _close(call(cfg, b.weights[0])[:, :b.rows], ref)
+    return call, check
+
+
+def _time_chain_tiles(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, device: torch.device,
+                      use_pdl: bool, scratch_bytes: int, places: Iterable[str], gated: bool = False) -> dict:
+    """{place: the fastest tile of that place's chained launch, or None} (`CHAIN_SLACK`): each tensor-core candidate
+    that can take the place is built and timed as the chain runs it (the residual epilogue, or the normalizing K
+    loop), against the plain baseline, whatever the shape's decision. A chained launch does more than the plain
+    linear (it replaces the add + RMSNorm kernel between them), and some tiles need more registers in it than plain
+    (examples/kernel_registers.py): a tile timed plain, even the decision, may spill in the chain."""
+    from hf_accel.ops.skinny_gemm import can_chain
+    from hf_accel.ops.triton_build import ahead, build_in_parallel
+
+    places = tuple(places)
+    candidates = [c for c in (_gated_candidates(bucket, k) if gated else _candidates_for(bucket, k, False))
+                  if not c.gemv]
+    b = _bench(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes, candidates, gated=gated)
+    runs = {}
+    for place in places:
+        call, check = _chain_calls(b, place, bucket, k, dtype, device, use_pdl, gated)
+        runs[place] = (call, check, [c for c in candidates
+                                     if can_chain(c, bucket, k, b.out_n, b.counters, residual=place == "first")])
+    # every chained variant built side by side first: at a fresh start the builds are most of the time
+    build_in_parallel([ahead(lambda call=call, c=c: call(c, b.weights[0]))
+                       for call, _, cands in runs.values() for c in cands])
+    base_t = time_in_graph(b.baseline)
+    limit = min(base_t * (1.0 + CHAIN_SLACK), base_t + CHAIN_MAX_LOSS_S)
+    out = {}
+    for place, (call, check, cands) in runs.items():
+        best, best_t = None, limit
+        for cfg in cands:
+            try:
+                if not check(cfg):
+                    logger.warning("hf_accel: chained small-M GEMM config %s (%s) gave a wrong result on %dx%d; "
+                                   "skipped", cfg, place, n, k)
+                    continue
+                t = time_in_graph(b.cycling(lambda w, c=cfg, call=call: call(c, w)))
+            except Exception as exc:  # a config that does not compile on this GPU / triton
+                logger.debug("chained small-M GEMM config %s (%s) failed: %s", cfg, place, exc)
+                continue
+            if t <= best_t:
+                best, best_t = cfg, t
+        out[place] = best
+        logger.debug("chain tile %dx%d%s m<=%d %s: baseline %.2f us -> %s", n, k, " gated" if gated else "",
+                     bucket, place, base_t * 1e6, best)
+    return out
 
 
 def _candidates_for(bucket: int, k: int, int8: bool, one_row_only: bool = False) -> list:
@@ -419,7 +545,8 @@ def build_candidates(todo: Iterable[tuple[int, int, bool, int]], dtype: torch.dt
 
 def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, device: torch.device, *,
                  use_pdl: bool, cache_dir: str | os.PathLike | None = None,
-                 scratch_bytes: int = 128 << 20, int8: bool = False, gated: bool = False) -> dict:
+                 scratch_bytes: int = 128 << 20, int8: bool = False, gated: bool = False,
+                 chain_places: Mapping[tuple[int, int, bool], Iterable[str]] | None = None) -> dict:
     """Decide cuBLAS vs small-M GEMM for each weight shape and M bucket (see the module docstring); returns a report.
 
     `cache_dir`: where decisions are remembered across processes (the compile cache directory); None: memory only.
@@ -428,6 +555,9 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
     `gated`: the shapes are gated MLPs' gate/up weights (`ops.gated_linear`): the gated kernel against the plain
     linear's decision (tune the plain shapes first) and the SiLU-and-mul kernel, decisions under
     `gated_key_dtype(dtype)`.
+    `chain_places`: {(n, k, has_bias): the places ("first", "second") that shape takes in the model's residual chains
+    (`compilation.norm_folding.chain_residual_norms`)}: at each bucket of 2+ rows, each place's chain tile is timed
+    as the chain launches it (`_time_chain_tiles`), once per place, and remembered like the decisions.
     """
     if int8 and gated:
         raise ValueError("tune_linears: int8 weights have no gated form")
@@ -443,7 +573,7 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
             stored = {}
     from hf_accel.ops.skinny_gemm import SkinnyConfig
 
-    tuned = 0
+    tuned = chain_timed = 0
     baseline = _baseline_name(key_dtype)
     report: dict = {"tuned": 0, "from_cache": 0, "ours": 0, baseline: 0}
     try:
@@ -460,9 +590,9 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
                         entry = stored[skey]
                         cfg = _decisions[key] = SkinnyConfig(**entry) if isinstance(entry, dict) else None
                         entry = stored.get(skey + CHAIN_SUFFIX)
-                        if isinstance(entry, dict):
-                            _chain_tiles[key] = ChainTiles(*(SkinnyConfig(**entry[p]) if isinstance(
-                                entry.get(p), dict) else None for p in CHAIN_PLACES))
+                        if isinstance(entry, dict) and entry.keys() & set(CHAIN_PLACES):
+                            _chain_tiles[key] = {p: SkinnyConfig(**c) if isinstance(c, dict) else None
+                                                 for p, c in entry.items() if p in CHAIN_PLACES}
                         report["from_cache"] += 1
                     else:
                         pending.append((n, k, has_bias, bucket))
@@ -471,34 +601,54 @@ def tune_linears(shapes: Iterable[tuple[int, int, bool]], dtype: torch.dtype, de
             if pending:
                 report["build"] = build_candidates(pending, dtype, use_pdl, int8, device, gated)
             for n, k, has_bias, bucket in pending:
-                cfg, base_t, best_t, chain_tiles = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl,
-                                                             scratch_bytes, int8, gated)
+                cfg, base_t, best_t = _tune_one(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes, int8,
+                                                gated)
                 skey = _stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl)
                 stored[skey] = asdict(cfg) if cfg is not None else None
-                key = _key(device, key_dtype, n, k, has_bias, bucket)
-                _decisions[key] = cfg
-                if chain_tiles is not None:
-                    stored[skey + CHAIN_SUFFIX] = {p: asdict(c) if c is not None else None
-                                                   for p, c in zip(CHAIN_PLACES, chain_tiles, strict=True)}
-                    _chain_tiles[key] = chain_tiles
-                else:  # no stale tiles of an earlier timing stay in the file beside the new decision
-                    stored.pop(skey + CHAIN_SUFFIX, None)
+                stored.pop(skey + CHAIN_SUFFIX, None)  # chain tiles timed beside an older decision
+                _decisions[_key(device, key_dtype, n, k, has_bias, bucket)] = cfg
                 tuned += 1
                 report["ours" if cfg is not None else baseline] += 1
                 logger.debug("small-M GEMM %dx%d%s m<=%d: %s %.2f us, best %.2f us -> %s", n, k,
                              " int8" if int8 else " gated" if gated else "", bucket, baseline, base_t * 1e6,
                              best_t * 1e6, cfg or baseline)
+            # the chain tiles of the shapes in chains, each bucket of 2+ rows, for the places not yet timed
+            for (n, k, has_bias), places in (chain_places or {}).items() if not int8 else ():
+                wanted = frozenset([places] if isinstance(places, str) else places)
+                if not wanted <= set(CHAIN_PLACES):
+                    raise ValueError(f"tune_linears: unknown chain places {sorted(wanted - set(CHAIN_PLACES))}")
+                for bucket in M_BUCKETS[1:]:
+                    key = _key(device, key_dtype, n, k, has_bias, bucket)
+                    missing = [p for p in CHAIN_PLACES if p in wanted and p not in _chain_tiles.get(key, {})]
+                    if key not in _decisions or not missing:
+                        continue
+                    try:
+                        found = _time_chain_tiles(n, k, has_bias, bucket, dtype, device, use_pdl, scratch_bytes,
+                                                  missing, gated)
+                    except Exception as exc:  # these places stay untimed (no chain), and are tried again next start
+                        logger.warning("hf_accel: timing the chain tiles of %dx%d at %d rows failed (%s: %s); those "
+                                       "chains do not run", n, k, bucket, type(exc).__name__, exc)
+                        report["chain_errors"] = report.get("chain_errors", 0) + 1
+                        continue
+                    _chain_tiles[key] = {**_chain_tiles.get(key, {}), **found}
+                    skey = _stored_key(device, key_dtype, n, k, has_bias, bucket, use_pdl) + CHAIN_SUFFIX
+                    entry = stored.get(skey) if isinstance(stored.get(skey), dict) else {}
+                    stored[skey] = {**entry, **{p: asdict(c) if c is not None else None for p, c in found.items()}}
+                    chain_timed += len(found)
     finally:  # what was decided is kept even when a later shape fails, and the scratch memory goes back
         report["tuned"] = tuned
-        if tuned and path is not None:
+        report["chain_places_timed"] = chain_timed
+        if (tuned or chain_timed) and path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
+                for old in [key for key in stored if key.endswith(OLD_CHAIN_SUFFIXES)]:
+                    del stored[old]
                 tmp = path.with_suffix(f".tmp{os.getpid()}")
                 tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
                 tmp.replace(path)
             except OSError as exc:  # a read-only cache is not an error
                 logger.debug("could not store small-M GEMM decisions: %s", exc)
-        if tuned:  # the scratch weights and the tuning graphs' pool go back before anything else is sized
+        if tuned or chain_timed:  # the scratch weights and the tuning graphs' pool go back before anything is sized
             try:
                 torch.cuda.synchronize(device)
                 torch.cuda.empty_cache()

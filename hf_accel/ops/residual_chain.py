@@ -6,9 +6,9 @@ are already part of the second linear's op; at one row that op normalizes inside
 (W2's decode steps) it runs the add and the norm as a kernel of their own between the two GEMMs, because a GEMM
 program cannot normalize a row it has not summed, and summing 64 whole rows in every program costs more than the
 kernel. The compile pass `compilation.norm_folding.chain_residual_norms` hands the first linear to the op too, and
-at run time, where both linears' tuned decisions for the step's row count are tensor-core tiles of the small-M GEMM
-(`ops.linear.tune_linears`; where cuBLAS won narrowly, the shape's chain tile, `ops.linear.CHAIN_SLACK`), the chain is
-two launches instead of three:
+at run time, where both linears have a chain tile for the step's row count (a tensor-core tile of the small-M GEMM
+that `ops.linear.tune_linears` timed in that place of a chain and found within `ops.linear.CHAIN_SLACK` of the
+plain cuBLAS linear), the chain is two launches instead of three:
 
 - the first GEMM's epilogue adds the residual to its rounded output, stores that sum `h` (the residual stream the
   layer continues with) and each column tile's float32 sums of squares of its rows of `h`
