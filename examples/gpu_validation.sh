@@ -125,7 +125,7 @@ case "${1:-tests}" in
       echo "== --$f"; grep -E "^W[23] " "$OUT/ab-$f.log" | cut -c1-110
     done ;;
   chain-ab)  # issue 14 (session 36): the residual chain (AccelConfig.chain_residual_norms, off by default) on the GPU
-    # (`chain-ab [SHAPE [TIMEOUT [WORKLOADS]]]`, default qwen3-0.6b 110 s w2; then `chain-ab llama-3.1-8b 300 w1,w2`:
+    # (`chain-ab [SHAPE [TIMEOUT [WORKLOADS]]]`, default qwen3-0.6b 150 s w2; then `chain-ab llama-3.1-8b 280 w1,w2`:
     # with the chain on, the 8B's wide norms fold at every row count, so its W1 changes too). For the default shape
     # first its kernel tests, the small-M and gated GEMM tests (the GEMM kernel's new arguments) and its
     # float32-judged A/B test; then WORKLOADS of SHAPE with and without it (same lease, each run with its own compile
@@ -133,12 +133,12 @@ case "${1:-tests}" in
     # "...:chain-second", for both linears of a chain)
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
     if [ "${2:-qwen3-0.6b}" = qwen3-0.6b ]; then
-      timeout 330 python3 -m pytest $P tests/test_residual_chain.py tests/test_small_m_gemm.py tests/test_gated_gemm.py \
+      timeout 260 python3 -m pytest $P tests/test_residual_chain.py tests/test_small_m_gemm.py tests/test_gated_gemm.py \
         "tests/test_gpu_ab.py::test_residual_chain_matches_stock_judged_by_float32" \
         >"$OUT/chain-tests.log" 2>&1; tail -n 2 "$OUT/chain-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/chain-tests.log"
     fi
     for f in chain-residual-norms no-chain-residual-norms; do
-      HF_ACCEL_CACHE_DIR=/tmp/cache-$f timeout "${3:-110}" hf-accel bench --workload "${4:-w2}" \
+      HF_ACCEL_CACHE_DIR=/tmp/cache-$f timeout "${3:-150}" hf-accel bench --workload "${4:-w2}" \
         --shape "${2:-qwen3-0.6b}" --anchors none \
         --repeats 3 --"$f" --no-progress --json "$OUT/ab-$f.json" >"$OUT/ab-$f.log" 2>&1
       echo "== --$f"; grep -E "^W[12] " "$OUT/ab-$f.log" | cut -c1-110
