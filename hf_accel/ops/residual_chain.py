@@ -16,8 +16,8 @@ plain cuBLAS linear), the chain is two launches instead of three:
 - the second GEMM sums those partial sums per row in a fixed order, and normalizes each K tile of `h` as it reads it
   (`skinny_gemm.norm_partials_linear`; gated: the SiLU-and-mul in its epilogue as before).
 
-Everywhere else (one row, a cuBLAS decision, CPU) it runs what the graph ran before: the linear, then the folded
-norm's op (`ops.norm_linear` / `ops.gated_linear`).
+Everywhere else (one row, a linear without a chain tile, CPU) it runs what the graph ran before: the linear, then
+the folded norm's op (`ops.norm_linear` / `ops.gated_linear`).
 
 Numerics: every form rounds where the stock modules round (the linear's output, the add, the normalized row, its
 product with the norm weight); the chained form differs from the norm kernel it replaces only in the order of the
