@@ -227,7 +227,7 @@ def _script_chain_timings(monkeypatch, times: dict, base: float, wrong: dict | N
 
     def fake_plain(x, w, bias, cfg, use_pdl, scale=None, counters=None, gated=False):
         last["run"] = ("plain", cfg)
-        y = F.linear(x, w, bias)
+        y = F.linear(x, w.float() * scale[:, None].float() if scale is not None else w, bias)
         return F.silu(y[..., : y.shape[-1] // 2]) * y[..., y.shape[-1] // 2:] if gated else y
 
     def fake_time(fn):
@@ -285,7 +285,7 @@ def test_a_tile_fast_plain_but_slow_chained_is_not_the_chain_tile(monkeypatch):
     tiles = [c for c in linear_op._candidates_for(bucket, k, False) if not c.gemv]
     spills, steady, broken = tiles[0], tiles[1], tiles[2]
     base = 10e-6
-    _script_tuner_timings(monkeypatch, {spills: 0.8 * base, steady: 0.95 * base}, base, tiles)
+    _script_chain_timings(monkeypatch, {("plain", spills): 0.8 * base, ("plain", steady): 0.95 * base}, base)
     assert linear_op._tune_one(64, k, False, bucket, torch.float32, torch.device("cpu"), False, 1 << 16)[0] == spills
     times = {("second", spills): 1.3 * base, ("second", steady): 1.02 * base, ("second", broken): 0.5 * base}
     _script_chain_timings(monkeypatch, times, base, wrong={("second", broken): "result"})
@@ -324,28 +324,6 @@ def test_chain_tile_slack_is_measured_from_what_runs_unchained(monkeypatch):
     _script_chain_timings(monkeypatch, times, base)
     assert _chain_tiles(64, k, bucket, decision=decision) == {"first": chained, "second": None}
     assert _chain_tiles(64, k, bucket) == {"first": chained, "second": chained}  # against cuBLAS: both
-
-
-def _script_tuner_timings(monkeypatch, times: dict, base: float, cands) -> None:
-    """Fake the tuner's kernel and clock: each candidate in `times` takes that long, other candidates twice the
-    baseline's `base` seconds, the baseline `base`."""
-    times = {**{c: 2 * base for c in cands}, **times}
-    last = {}
-
-    def fake_skinny(x, w, bias, cfg, use_pdl, scale=None, counters=None, gated=False):
-        last["cfg"] = cfg
-        w = w.float() * scale[:, None].float() if scale is not None else w
-        y = F.linear(x, w.to(x.dtype), bias)
-        return F.silu(y[..., : y.shape[-1] // 2]) * y[..., y.shape[-1] // 2:] if gated else y
-
-    def fake_time(fn):
-        last["cfg"] = None
-        fn()
-        return times[last["cfg"]] if last["cfg"] is not None and last["cfg"] in times else base
-
-    monkeypatch.setattr("hf_accel.ops.skinny_gemm.skinny_linear", fake_skinny)
-    monkeypatch.setattr(linear_op, "time_in_graph", fake_time)
-    monkeypatch.setattr("hf_accel.ops.fused_kernels.silu_and_mul", lambda g, u, p: F.silu(g) * u)
 
 
 @pytest.mark.parametrize(("n", "gated"), [(6144, False), (28672, True)])  # llama-3.1-8b q/k/v and gate/up

@@ -73,9 +73,8 @@ class CompileStats:
     folded_norms: int = 0  # RMSNorms (with their residual adds) run inside the linear after them (norm_folding)
     # (n, k, bias) of each gate/up linear that runs with the SiLU-and-mul after it as one op (gated_activation)
     gated_linears: list[tuple[int, int, bool]] = field(default_factory=list)
-    # folded norms whose residual add's linear joined their op (norm_folding.chain_residual_norms), and the two
-    # linears' weight shapes of each such chain (the places ops.linear.tune_linears times chain tiles for)
-    chained_norms: int = 0
+    # each folded norm whose residual add's linear joined its op (norm_folding.chain_residual_norms): the two
+    # linears' weight shapes (the places ops.linear.tune_linears times chain tiles for)
     chain_pairs: list = field(default_factory=list)
     # pieces whose compile with Inductor's combo kernels raised and that compiled again without them
     combo_fallback_pieces: int = 0
@@ -92,6 +91,11 @@ class CompileStats:
     captured_sizes: list[int] = field(default_factory=list)
     pool_bytes_allocated: int = 0
     pool_bytes_reserved: int = 0
+
+    @property
+    def chained_norms(self) -> int:
+        """Folded norms whose residual add's linear joined their op."""
+        return len(self.chain_pairs)
 
 
 def start_compile_workers() -> bool:
@@ -598,7 +602,6 @@ class PiecewiseForward:
                 self.stats.gated_linears = fuse_silu_mul_into_linears(gm)
             if self.fold_norms and self.chain_residual_norms:
                 self.stats.chain_pairs = chain_residual_norms(gm)
-                self.stats.chained_norms = len(self.stats.chain_pairs)
         self.stats.int8_weight_linears = route_int8_weight_only_linears(gm, self.pdl)
         split_gm = self._build(gm, example_inputs)
         self.stats.compile_seconds = time.perf_counter() - t0

@@ -289,6 +289,15 @@ class _Bench(NamedTuple):
     baseline: object  # a zero-argument call of what runs without a decision (`cycling`)
     rows: int  # output columns checked against the float32 reference
     out_n: int  # output columns (gated: half the weight's rows)
+    use_pdl: bool
+    gated: bool
+
+    def launch(self, cfg, w: torch.Tensor) -> torch.Tensor:
+        """Our kernel with tile `cfg` as a plain (or gated) linear of x and weight `w`."""
+        from hf_accel.ops.skinny_gemm import skinny_linear
+
+        return skinny_linear(self.x, w, self.bias, cfg, self.use_pdl, scale=self.scale, counters=self.counters,
+                             gated=self.gated)
 
     def cycling(self, call):
         """A zero-argument call of `call(weight)` that takes the next weight copy each time."""
@@ -330,7 +339,7 @@ def _bench(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, devi
     tiles = max(-(-out_n // min((c.block_n for c in candidates), default=out_n)),
                 -(-n // plain_cfg.block_n) if plain_cfg else 0)
     counters = torch.zeros(tiles, dtype=torch.int32, device=device)
-    bench = _Bench(weights, scale, bias, x, counters, None, min(out_n, 512), out_n)
+    bench = _Bench(weights, scale, bias, x, counters, None, min(out_n, 512), out_n, use_pdl, gated)
     if int8:
         from hf_accel.ops.quantized_linear import default_config
 
@@ -375,8 +384,6 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
               use_pdl: bool, scratch_bytes: int, int8: bool = False, gated: bool = False):
     """Time the baseline (`_bench`) and the candidates for one weight shape at M = bucket: (the winner's config or
     None (the baseline), the baseline's seconds, the best candidate's seconds)."""
-    from hf_accel.ops.skinny_gemm import skinny_linear
-
     candidates = _gated_candidates(bucket, k) if gated else _candidates_for(bucket, k, int8)
     if not candidates:  # e.g. gated at one row with the one-row kernel switched off: the baseline
         return None, 0.0, 0.0
@@ -386,13 +393,10 @@ def _tune_one(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.dtype, d
     base_t = best_t
     for cfg in candidates:
         try:
-            out = skinny_linear(b.x, b.weights[0], b.bias, cfg, use_pdl, scale=b.scale, counters=b.counters,
-                                gated=gated)
-            if not _close(out[:, :b.rows], ref):
+            if not _close(b.launch(cfg, b.weights[0])[:, :b.rows], ref):
                 logger.warning("hf_accel: small-M GEMM config %s gave a wrong result on %dx%d; skipped", cfg, n, k)
                 continue
-            t = time_in_graph(b.cycling(lambda w, c=cfg: skinny_linear(b.x, w, b.bias, c, use_pdl, scale=b.scale,
-                                                                       counters=b.counters, gated=gated)))
+            t = time_in_graph(b.cycling(lambda w, c=cfg: b.launch(c, w)))
         except Exception as exc:  # a config that does not compile on this GPU / triton
             logger.debug("small-M GEMM config %s failed: %s", cfg, exc)
             continue
@@ -491,13 +495,7 @@ def _time_chain_tiles(n: int, k: int, has_bias: bool, bucket: int, dtype: torch.
     # every chained variant built side by side first: at a fresh start the builds are most of the time
     build_in_parallel([ahead(lambda call=call, c=c: call(c, b.weights[0]))
                        for call, _, cands in runs.values() for c in cands])
-    if decision is None:
-        base_t = time_in_graph(b.baseline)
-    else:
-        from hf_accel.ops.skinny_gemm import skinny_linear
-
-        base_t = time_in_graph(b.cycling(lambda w: skinny_linear(b.x, w, b.bias, decision, use_pdl,
-                                                                 counters=b.counters, gated=gated)))
+    base_t = time_in_graph(b.baseline if decision is None else b.cycling(lambda w: b.launch(decision, w)))
     limit = min(base_t * (1.0 + CHAIN_SLACK), base_t + CHAIN_MAX_LOSS_S)
     out = {}
     for place, (call, check, cands) in runs.items():
